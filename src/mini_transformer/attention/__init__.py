@@ -1,0 +1,93 @@
+"""One attention function, several backends, one mask meaning.
+
+    out = attention(q, k, v, causal=True, key_padding_mask=keep, backend="naive")
+
+q (B, H, Tq, D); k, v (B, Hkv, Tk, D) with H a multiple of Hkv (GQA/MQA); keep (B, Tk) bool,
+True = a real key. Masks mean "True = may attend" everywhere. Queries shorter than keys sit at
+the END of the key sequence: query i has absolute position Tk - Tq + i, so prefill (Tq == Tk) and
+cached decode (Tq == 1) are the same code. A query that can see no key at all returns zeros.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from .mask import build_mask, causal_mask
+
+BACKENDS = ("naive", "sdpa", "tiled", "triton")
+
+__all__ = ["BACKENDS", "attention", "build_mask", "causal_mask", "check_attention_inputs"]
+
+
+def check_attention_inputs(q, k, v, key_padding_mask, dropout_p) -> None:
+    """Raise a clear error for inputs no backend can handle."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (B, heads, T, D), got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    B, H, Tq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in batch or head dim")
+    Hkv, Tk = k.shape[1], k.shape[2]
+    if H % Hkv != 0:
+        raise ValueError(f"q has H={H} heads, k/v have Hkv={Hkv}; H must be a multiple of Hkv")
+    if Tq > Tk:
+        raise ValueError(f"q has Tq={Tq} positions but k has only Tk={Tk}; queries must satisfy Tq <= Tk")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+            raise TypeError("key_padding_mask must be a bool tensor (True = real key)")
+        if tuple(key_padding_mask.shape) != (B, Tk):
+            raise ValueError(
+                f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected (B, Tk) = {(B, Tk)}"
+            )
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
+
+
+def _backend(name: str) -> Callable:
+    if name == "naive":
+        from .naive import naive_attention
+
+        return naive_attention
+    if name == "sdpa":
+        from .sdpa import sdpa_attention
+
+        return sdpa_attention
+    if name == "tiled":
+        from .tiled import tiled_attention
+
+        return tiled_attention
+    if name == "triton":
+        from .triton_flash import triton_attention
+
+        return triton_attention
+    raise ValueError(f"backend={name!r} is not known; expected one of {', '.join(BACKENDS)}")
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "naive",
+    scale: float | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v, computed by the chosen backend. Returns (B, H, Tq, D)."""
+    fn = _backend(backend)
+    check_attention_inputs(q, k, v, key_padding_mask, dropout_p)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return fn(q, k, v, causal=causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale)

@@ -1,0 +1,163 @@
+"""TransformerConfig: every size and every switch of the model, validated in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+POS_EMBS = ("learned", "rope", "sinusoidal", "none")
+NORMS = ("layernorm", "rmsnorm")
+NORM_POSITIONS = ("pre", "post")
+FFNS = ("gelu", "gelu_tanh", "relu", "swiglu")
+ATTN_BACKENDS = ("naive", "sdpa", "tiled", "triton")
+
+
+def llama_ffn_size(d_model: int, multiple_of: int) -> int:
+    """Llama's SwiGLU width: 2/3 of 4*d_model, rounded up to a multiple of `multiple_of`.
+
+    Three projections of width 8/3*d instead of two of width 4*d keep the parameter count equal.
+    """
+    hidden = int(2 * (4 * d_model) / 3)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def _check_choice(field: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{field}={value!r} is not known; expected one of {', '.join(choices)}")
+
+
+def _check_positive_int(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{field}={value!r} must be an int")
+    if value <= 0:
+        raise ValueError(f"{field}={value} must be a positive integer")
+
+
+def _check_probability(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{field}={value!r} must be a float")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{field}={value} must be a probability in [0, 1)")
+
+
+@dataclass
+class TransformerConfig:
+    """Sizes and switches of a decoder-only Transformer.
+
+    Defaults are GPT-2 small's sizes. `d_ff=None` means 4*d_model (or Llama's 8/3 rule for SwiGLU);
+    `n_kv_heads=None` means n_heads (plain multi-head attention).
+    """
+
+    vocab_size: int = 50257
+    d_model: int = 768
+    n_heads: int = 12
+    d_ff: int | None = None
+    n_layer: int = 12
+    max_seq_len: int = 1024
+    n_kv_heads: int | None = None  # GQA when < n_heads, MQA when 1
+    pos_emb: str = "learned"  # learned | rope | sinusoidal | none
+    rope_theta: float = 10000.0
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    norm_position: str = "pre"  # pre (GPT-2, Llama) | post (2017 paper)
+    ffn: str = "gelu"  # gelu | gelu_tanh | relu | swiglu
+    ffn_multiple_of: int = 256  # SwiGLU width rounding when d_ff is not given
+    attn_pdrop: float = 0.0
+    resid_pdrop: float = 0.0
+    embd_pdrop: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True
+    attn_backend: str = "naive"  # naive | sdpa | tiled | triton
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_heads", "n_layer", "max_seq_len", "ffn_multiple_of"):
+            _check_positive_int(name, getattr(self, name))
+        _check_choice("pos_emb", self.pos_emb, POS_EMBS)
+        _check_choice("norm", self.norm, NORMS)
+        _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
+        _check_choice("ffn", self.ffn, FFNS)
+        _check_choice("attn_backend", self.attn_backend, ATTN_BACKENDS)
+        for name in ("attn_pdrop", "resid_pdrop", "embd_pdrop"):
+            _check_probability(name, getattr(self, name))
+        for name in ("bias", "tie_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
+                f"(each head gets d_model / n_heads dimensions)"
+            )
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        _check_positive_int("n_kv_heads", self.n_kv_heads)
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} "
+                f"(each key/value head serves a whole group of query heads)"
+            )
+        if self.d_ff is None:
+            self.d_ff = (
+                llama_ffn_size(self.d_model, self.ffn_multiple_of) if self.ffn == "swiglu" else 4 * self.d_model
+            )
+        _check_positive_int("d_ff", self.d_ff)
+        if self.pos_emb == "rope" and self.d_head % 2 != 0:
+            raise ValueError(f"pos_emb='rope' needs an even d_head, got d_head={self.d_head}")
+        if self.pos_emb == "sinusoidal" and self.d_model % 2 != 0:
+            raise ValueError(f"pos_emb='sinusoidal' needs an even d_model, got d_model={self.d_model}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name}={value!r} must be a positive number")
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> TransformerConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"config has unknown fields {unknown}; expected names among {sorted(known)}")
+        return cls(**values)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> TransformerConfig:
+        if name not in PRESETS:
+            raise ValueError(f"preset={name!r} is not known; expected one of {', '.join(PRESETS)}")
+        return cls.from_dict({**PRESETS[name], **overrides})
+
+    def replace(self, **changes) -> TransformerConfig:
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, dict] = {
+    # The seed's debug configuration: small enough to trace by eye.
+    "tiny": dict(vocab_size=100, d_model=64, n_heads=4, d_ff=256, n_layer=2, max_seq_len=32),
+    # GPT-2 small (124M): learned positions, LayerNorm, GELU (tanh form), biases, tied head.
+    "gpt2-small": dict(
+        vocab_size=50257, d_model=768, n_heads=12, d_ff=3072, n_layer=12, max_seq_len=1024,
+        ffn="gelu_tanh", bias=True, tie_weights=True,
+    ),
+    # A Llama-shaped model small enough to trace: RoPE, RMSNorm, SwiGLU, GQA, no bias, untied head.
+    "llama-tiny": dict(
+        vocab_size=100, d_model=64, n_heads=4, n_kv_heads=2, n_layer=2, max_seq_len=64,
+        pos_emb="rope", norm="rmsnorm", norm_eps=1e-6, ffn="swiglu", ffn_multiple_of=32,
+        bias=False, tie_weights=False,
+    ),
+    # A Llama-style model a learner can train on a CPU (about 10M parameters with a char vocabulary).
+    "llama-style": dict(
+        vocab_size=256, d_model=384, n_heads=6, n_kv_heads=2, n_layer=6, max_seq_len=256,
+        pos_emb="rope", norm="rmsnorm", norm_eps=1e-6, ffn="swiglu", ffn_multiple_of=64,
+        bias=False, tie_weights=False, attn_backend="sdpa",
+    ),
+    # nanoGPT's CPU "baby" Shakespeare run: trains in minutes on a laptop CPU.
+    "shakespeare-char": dict(
+        vocab_size=65, d_model=128, n_heads=4, n_layer=4, max_seq_len=64, ffn="gelu",
+        bias=True, tie_weights=True, attn_backend="sdpa",
+    ),
+}

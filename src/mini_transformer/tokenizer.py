@@ -1,0 +1,113 @@
+"""Tokenizers: characters (the default, vocabulary from the training text) and byte-level BPE
+trained with the Hugging Face `tokenizers` library. Both save to and load from a checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAR_VOCAB_FILE = "vocab.json"
+BPE_FILE = "tokenizer.json"
+
+
+class CharTokenizer:
+    """One id per distinct character of the training text, ids in sorted character order."""
+
+    kind = "char"
+
+    def __init__(self, chars: list[str]):
+        if len(set(chars)) != len(chars) or any(len(c) != 1 for c in chars):
+            raise ValueError("chars must be distinct single characters")
+        self.chars = list(chars)
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        self.eos_token_id = None
+
+    @classmethod
+    def train(cls, text: str) -> CharTokenizer:
+        if not text:
+            raise ValueError("text is empty; a character vocabulary needs at least one character")
+        return cls(sorted(set(text)))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> list[int]:
+        unknown = sorted({c for c in text if c not in self.stoi})
+        if unknown:
+            raise ValueError(f"text contains characters not in the vocabulary: {unknown!r}")
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / CHAR_VOCAB_FILE).write_text(json.dumps({"kind": "char", "chars": self.chars}))
+
+
+class BPETokenizer:
+    """Byte-level BPE (GPT-2's scheme) backed by `tokenizers.Tokenizer`: any text encodes, nothing is unknown."""
+
+    kind = "bpe"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        ids = (tokenizer.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>"))
+        self.eos_token_id = next((i for i in ids if i is not None), None)
+
+    @classmethod
+    def train(cls, text: str, vocab_size: int) -> BPETokenizer:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        if vocab_size < 257:
+            raise ValueError(f"vocab_size={vocab_size} must be at least 257 (256 bytes + 1 special token)")
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator([text], trainer=trainer)
+        return cls(tok)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids])
+
+    def save(self, path: str | Path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.tokenizer.save(str(Path(path) / BPE_FILE))
+
+
+def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:
+    """Read the tokenizer saved in a checkpoint directory (ours, or a Hugging Face tokenizer.json)."""
+    path = Path(path)
+    if (path / CHAR_VOCAB_FILE).is_file():
+        data = json.loads((path / CHAR_VOCAB_FILE).read_text())
+        if data.get("kind") == "char":
+            return CharTokenizer(data["chars"])
+    if (path / BPE_FILE).is_file():
+        from tokenizers import Tokenizer
+
+        return BPETokenizer(Tokenizer.from_file(str(path / BPE_FILE)))
+    raise ValueError(f"no tokenizer found in {str(path)!r}: expected {CHAR_VOCAB_FILE} or {BPE_FILE}")
+
+
+def build_tokenizer(kind: str, text: str, vocab_size: int | None = None) -> CharTokenizer | BPETokenizer:
+    if kind == "char":
+        return CharTokenizer.train(text)
+    if kind == "bpe":
+        if vocab_size is None:
+            raise ValueError("tokenizer='bpe' needs vocab_size")
+        return BPETokenizer.train(text, vocab_size)
+    raise ValueError(f"tokenizer={kind!r} is not known; expected 'char' or 'bpe'")

@@ -1,0 +1,209 @@
+"""The model: MultiHeadAttention (fused QKV, GQA), TransformerBlock (pre/post norm), TransformerLM."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import attention
+from .config import TransformerConfig
+from .kv_cache import KVCache
+from .layers import make_ffn, make_norm
+from .rope import RotaryEmbedding, apply_rope, sinusoidal_table
+
+
+class Attend(nn.Module):
+    """softmax(q k^T / sqrt(D)) v through the configured backend. No parameters: it exists so that
+    hooks (and `mini-transformer trace`) can see q, k, v and the output of every layer."""
+
+    def __init__(self, backend: str, dropout_p: float):
+        super().__init__()
+        self.backend = backend
+        self.dropout_p = dropout_p
+
+    def forward(self, q, k, v, key_padding_mask=None):
+        dropout_p = self.dropout_p if self.training else 0.0
+        return attention(q, k, v, causal=True, key_padding_mask=key_padding_mask,
+                         dropout_p=dropout_p, backend=self.backend)
+
+
+class MultiHeadAttention(nn.Module):
+    """Causal self-attention with ONE fused projection for q, k and v.
+
+    With n_kv_heads == n_heads the fused output (B, T, 3C) is exactly the classic
+    (B, T, 3, H, D) -> (3, B, H, T, D) layout; with fewer kv heads (GQA/MQA) it is
+    (B, T, H + 2*Hkv, D), split into H query heads and Hkv key and value heads.
+    """
+
+    def __init__(self, cfg: TransformerConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+        self.W_qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head, bias=cfg.bias)
+        self.W_o = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.attend = Attend(cfg.attn_backend, cfg.attn_pdrop)
+
+    def forward(self, x, *, rope=None, key_padding_mask=None, cache: KVCache | None = None):
+        B, T, C = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.d_head
+        qkv = self.W_qkv(x)  # (B, T, (H + 2*Hkv) * D)
+        qkv = qkv.view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # (B, H + 2*Hkv, T, D)
+        q, k, v = qkv.split([H, Hkv, Hkv], dim=1)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D)
+        if rope is not None:  # RoPE turns q and k by their positions; v carries content only
+            cos, sin = rope  # (B, 1, T, D)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, Tk, D) with the past prepended
+        out = self.attend(q, k, v, key_padding_mask)  # (B, H, T, D)
+        out = out.transpose(1, 2).reshape(B, T, C)  # (B, T, C): heads concatenated again
+        return self.W_o(out)
+
+
+class TransformerBlock(nn.Module):
+    """Attention then FFN, each wrapped in a residual; the norm sits before (pre) or after (post)."""
+
+    def __init__(self, cfg: TransformerConfig, layer_idx: int):
+        super().__init__()
+        self.pre_norm = cfg.norm_position == "pre"
+        self.norm_1 = make_norm(cfg)
+        self.attn = MultiHeadAttention(cfg, layer_idx)
+        self.norm_2 = make_norm(cfg)
+        self.ffn = make_ffn(cfg)
+        self.resid_drop = nn.Dropout(cfg.resid_pdrop)
+
+    def forward(self, x, **attn_kwargs):
+        if self.pre_norm:  # x + f(norm(x)): the residual stream itself is never normalised
+            x = x + self.resid_drop(self.attn(self.norm_1(x), **attn_kwargs))
+            return x + self.resid_drop(self.ffn(self.norm_2(x)))
+        x = self.norm_1(x + self.resid_drop(self.attn(x, **attn_kwargs)))  # norm(x + f(x))
+        return self.norm_2(x + self.resid_drop(self.ffn(x)))
+
+
+class TransformerLM(nn.Module):
+    """ids (B, T) -> embeddings -> N blocks -> final norm -> logits (B, T, V)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        if not isinstance(cfg, TransformerConfig):
+            raise TypeError(f"cfg must be a TransformerConfig, got {type(cfg).__name__}")
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos_emb == "learned" else None
+        if cfg.pos_emb == "sinusoidal":
+            self.register_buffer("sinusoid", sinusoidal_table(cfg.max_seq_len, cfg.d_model), persistent=False)
+        self.rope = RotaryEmbedding(cfg.d_head, cfg.max_seq_len, cfg.rope_theta) if cfg.pos_emb == "rope" else None
+        self.emb_drop = nn.Dropout(cfg.embd_pdrop)
+        self.blocks = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layer))
+        self.norm_f = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:  # the head reuses the embedding matrix: one tensor, one storage
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2 * n_layer)
+        for name, param in self.named_parameters():
+            if name.endswith(("W_o.weight", "fc2.weight", "w_down.weight")):
+                nn.init.normal_(param, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # parameters() counts a tied tensor once
+
+    def forward(self, idx, targets=None, *, attention_mask=None, position_ids=None, cache: KVCache | None = None):
+        """idx (B, T) int64; attention_mask (B, T), 1 = real token (covers the new tokens only when a
+        cache is given); position_ids (B, T) override the ones derived from the mask.
+        Returns (logits (B, T, V), loss or None). Targets equal to -100 are ignored."""
+        B, T = self._check_inputs(idx, targets, attention_mask, position_ids, cache)
+        keep = torch.ones(B, T, dtype=torch.bool, device=idx.device) if attention_mask is None \
+            else attention_mask.to(torch.bool)
+        if cache is not None:
+            key_padding_mask, positions = cache.prepare(keep)  # (B, Tk), (B, T)
+        else:
+            key_padding_mask = keep
+            # A left-padded row starts at position 0 at its first real token.
+            positions = (keep.cumsum(dim=-1) - 1).clamp(min=0)  # (B, T)
+        if position_ids is not None:
+            positions = position_ids
+        if attention_mask is None and cache is None:
+            key_padding_mask = None  # nothing to mask but the future: lets backends take fast paths
+
+        x = self.tok_emb(idx)  # (B, T, C)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)  # (B, T, C)
+        elif self.config.pos_emb == "sinusoidal":
+            x = x + self.sinusoid[positions]
+        x = self.emb_drop(x)
+        rope = None
+        if self.rope is not None:
+            cos, sin = self.rope.cos_sin(positions, x.dtype)  # (B, 1, T, D), shared by all layers
+            rope = (cos, sin)
+        for block in self.blocks:
+            x = block(x, rope=rope, key_padding_mask=key_padding_mask, cache=cache)
+        if cache is not None:
+            cache.advance(keep)
+        logits = self.lm_head(self.norm_f(x))  # (B, T, V)
+
+        loss = None
+        if targets is not None:
+            flat = targets.reshape(-1)
+            total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), flat,
+                                    ignore_index=-100, reduction="sum")
+            loss = total / (flat != -100).sum().clamp(min=1)  # mean over real targets; 0 if there are none
+        return logits, loss
+
+    def _check_inputs(self, idx, targets, attention_mask, position_ids, cache) -> tuple[int, int]:
+        cfg = self.config
+        is_int = isinstance(idx, torch.Tensor) and not idx.is_floating_point() and idx.dtype != torch.bool
+        if not is_int or idx.dim() != 2:
+            shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+            dtype = getattr(idx, "dtype", None)
+            raise ValueError(f"idx must be a 2-D integer tensor (B, T), got {shape} of dtype {dtype}")
+        B, T = idx.shape
+        if T == 0:
+            raise ValueError("idx has T=0 tokens; expected at least one")
+        past = cache.length if cache is not None else 0
+        if past + T > cfg.max_seq_len:
+            raise ValueError(
+                f"sequence length {past + T} (cached {past} + new {T}) exceeds max_seq_len={cfg.max_seq_len}"
+            )
+        low, high = int(idx.min()), int(idx.max())
+        if low < 0 or high >= cfg.vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"idx contains token id {bad}, outside [0, vocab_size={cfg.vocab_size})")
+        for name, t in (("attention_mask", attention_mask), ("position_ids", position_ids), ("targets", targets)):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, T):
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} has shape {shape}, expected (B, T) = {(B, T)} like idx")
+        if targets is not None:
+            if targets.is_floating_point():
+                raise ValueError(f"targets must be an integer tensor, got dtype {targets.dtype}")
+            bad = (targets != -100) & ((targets < 0) | (targets >= cfg.vocab_size))
+            if bool(bad.any()):
+                raise ValueError(f"targets contain id {int(targets[bad][0])}, expected [0, {cfg.vocab_size}) or -100")
+        if position_ids is not None:
+            if position_ids.is_floating_point() or not 0 <= int(position_ids.min()) <= int(position_ids.max()) \
+                    < cfg.max_seq_len:
+                raise ValueError(f"position_ids must be integers in [0, max_seq_len={cfg.max_seq_len})")
+        return B, T
+
+    @classmethod
+    def from_pretrained(cls, path, **kwargs) -> TransformerLM:
+        """Load our own checkpoint directory or a local Hugging Face GPT-2 / Llama directory."""
+        from .checkpoint import load_pretrained
+
+        return load_pretrained(path, **kwargs)
+
+    def save_pretrained(self, path) -> None:
+        """Write `model.safetensors` + `config.json` to the directory `path`."""
+        from .checkpoint import save_pretrained
+
+        save_pretrained(self, path)
