@@ -1,15 +1,12 @@
 """mini-transformer: a decoder-only Transformer written by hand in PyTorch, stage by stage."""
 
 from .config import PRESETS, TransformerConfig
+
+# `generate` is imported eagerly on purpose: with a lazy module __getattr__, importing the submodule
+# `mini_transformer.generate` rebinds the package attribute `generate` to the module, and
+# `from mini_transformer import generate` then returned the module instead of the function.
+from .generate import generate
 from .kv_cache import KVCache
 from .transformer import TransformerLM
 
 __all__ = ["PRESETS", "KVCache", "TransformerConfig", "TransformerLM", "generate"]
-
-
-def __getattr__(name):
-    if name == "generate":  # generate.py sits above the model; import it only when asked for
-        from .generate import generate
-
-        return generate
-    raise AttributeError(f"module 'mini_transformer' has no attribute {name!r}")
