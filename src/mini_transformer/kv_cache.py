@@ -61,6 +61,22 @@ class KVCache:
         """(B,) number of real (non-padding) tokens cached per row."""
         return self.next_position.clone()
 
+    def check_fits(self, cfg: TransformerConfig, batch_size: int, n_new: int, dtype: torch.dtype) -> None:
+        """Raise ValueError if this cache cannot take `n_new` tokens of a model with config `cfg`
+        running in `dtype` (called by the model before any work)."""
+        _, B, Hkv, max_len, D = self.k.shape
+        if (self.k.shape[0], Hkv, D) != (cfg.n_layer, cfg.n_kv_heads, cfg.d_head):
+            raise ValueError(
+                f"cache has (n_layer, n_kv_heads, d_head) = {(self.k.shape[0], Hkv, D)}, expected "
+                f"{(cfg.n_layer, cfg.n_kv_heads, cfg.d_head)} from the model's config"
+            )
+        if B != batch_size:
+            raise ValueError(f"batch size {batch_size} does not match the cache's batch_size={B}")
+        if self.k.dtype != dtype:
+            raise ValueError(f"cache dtype {self.k.dtype} does not match the model's dtype {dtype}")
+        if self.length + n_new > max_len:
+            raise ValueError(f"cache overflow: {self.length} cached + {n_new} new tokens > max_len={max_len}")
+
     def reset(self) -> None:
         self.keep.zero_()
         self.next_position.zero_()

@@ -173,6 +173,8 @@ class TransformerLM(nn.Module):
             raise ValueError(
                 f"sequence length {past + T} (cached {past} + new {T}) exceeds max_seq_len={cfg.max_seq_len}"
             )
+        if cache is not None:
+            cache.check_fits(cfg, B, T, self.tok_emb.weight.dtype)
         low, high = int(idx.min()), int(idx.max())
         if low < 0 or high >= cfg.vocab_size:
             bad = low if low < 0 else high
