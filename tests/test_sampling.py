@@ -1,0 +1,214 @@
+"""sampling.py on hand-made distributions (the boundary token of each filter), against Hugging Face's
+logits processors on random logits, seeded reproducibility, and the errors for bad values."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mini_transformer.sampling import (
+    apply_repetition_penalty,
+    apply_temperature,
+    check_sampling_args,
+    greedy,
+    min_p_filter,
+    sample_next,
+    top_k_filter,
+    top_p_filter,
+)
+
+INF = float("inf")
+
+
+def logits_of(probs: list[list[float]]) -> torch.Tensor:
+    return torch.tensor(probs, dtype=torch.float64).log().float()  # softmax(log p) == p
+
+
+def kept(logits: torch.Tensor) -> list[list[int]]:
+    return [torch.nonzero(row > -INF).flatten().tolist() for row in logits]
+
+
+def test_greedy_picks_the_argmax_of_each_row():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [5.0, 5.0, 1.0]])
+    assert greedy(logits).tolist() == [1, 0]  # first index on a tie
+    assert sample_next(logits, temperature=0.0).tolist() == [1, 0]
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([[1.0, 2.0, 4.0]])
+    torch.testing.assert_close(apply_temperature(logits, 0.5), logits * 2)
+    hot = torch.softmax(apply_temperature(logits, 10.0), -1)
+    cold = torch.softmax(apply_temperature(logits, 0.1), -1)
+    assert hot.max() < torch.softmax(logits, -1).max() < cold.max()
+    with pytest.raises(ValueError, match="temperature=0 means greedy"):
+        apply_temperature(logits, 0.0)
+
+
+def test_top_k_keeps_the_k_largest():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [4.0, 3.0, 2.0, 1.0]])
+    assert kept(top_k_filter(logits, 2)) == [[1, 2], [0, 1]]
+    assert kept(top_k_filter(logits, 1)) == [[1], [0]]
+    assert torch.equal(top_k_filter(logits, 4), logits) and torch.equal(top_k_filter(logits, 99), logits)
+
+
+def test_top_k_keeps_tokens_tied_with_the_kth():
+    assert kept(top_k_filter(torch.tensor([[3.0, 2.0, 2.0, 1.0]]), 2)) == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize(
+    "top_p, expected",
+    [
+        (0.4, [0]),  # the top token alone already crosses 0.4
+        (0.5, [0]),  # exactly reaches 0.5: nothing more is needed
+        (0.6, [0, 1]),  # 0.5 < 0.6: the token that crosses (0.3) is kept
+        (0.79, [0, 1]),
+        (0.81, [0, 1, 2]),  # 0.8 < 0.81: the 0.15 token crosses and is kept
+        (0.96, [0, 1, 2, 3]),
+        (1.0, [0, 1, 2, 3]),
+    ],
+)
+def test_top_p_keeps_the_token_that_crosses_p(top_p, expected):
+    logits = logits_of([[0.5, 0.3, 0.15, 0.05]])
+    assert kept(top_p_filter(logits, top_p)) == [expected]
+
+
+def test_top_p_works_per_row_in_any_vocabulary_order():
+    logits = logits_of([[0.05, 0.15, 0.3, 0.5], [0.1, 0.7, 0.1, 0.1]])
+    assert kept(top_p_filter(logits, 0.6)) == [[2, 3], [1]]
+
+
+@pytest.mark.parametrize(
+    "min_p, expected",
+    [(0.0, [0, 1, 2, 3]), (0.1, [0, 1, 2]), (0.5, [0, 1]), (0.51, [0]), (1.0, [0])],
+)
+def test_min_p_drops_tokens_below_a_fraction_of_the_top(min_p, expected):
+    # threshold = min_p * 0.6: 0.06 keeps the 0.08 token, 0.3 keeps the 0.3 token (boundary kept)
+    logits = logits_of([[0.6, 0.3, 0.08, 0.02]])
+    assert kept(min_p_filter(logits, min_p)) == [expected]
+
+
+def test_repetition_penalty_by_hand():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    out = apply_repetition_penalty(logits, torch.tensor([[0, 1, 0]]), 2.0)
+    torch.testing.assert_close(out, torch.tensor([[1.0, -2.0, 0.5, 3.0]]))  # positive / 2, negative * 2
+    assert torch.equal(apply_repetition_penalty(logits, torch.tensor([[0, 1]]), 1.0), logits)
+
+
+def test_repetition_penalty_ignores_padding():
+    logits = torch.tensor([[2.0, 2.0, 2.0]])
+    previous = torch.tensor([[0, 0, 2]])
+    mask = torch.tensor([[False, False, True]])  # token 0 only appears as padding
+    out = apply_repetition_penalty(logits, previous, 4.0, previous_mask=mask)
+    torch.testing.assert_close(out, torch.tensor([[2.0, 2.0, 0.5]]))
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**16), top_k=st.integers(1, 12), top_p=st.floats(0.05, 1.0),
+       min_p=st.floats(0.0, 1.0), penalty=st.floats(0.5, 3.0), temperature=st.floats(0.2, 3.0))
+def test_filters_match_hugging_face_processors(seed, top_k, top_p, min_p, penalty, temperature):
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 10, generator=gen, dtype=torch.float64) * 3
+    previous = torch.randint(0, 10, (3, 4), generator=gen)
+    torch.testing.assert_close(apply_temperature(logits, temperature),
+                               TemperatureLogitsWarper(temperature)(None, logits))
+    torch.testing.assert_close(apply_repetition_penalty(logits, previous, penalty),
+                               RepetitionPenaltyLogitsProcessor(penalty)(previous, logits))
+    assert kept(top_k_filter(logits, top_k)) == kept(TopKLogitsWarper(top_k)(None, logits))
+    assert kept(min_p_filter(logits, min_p)) == kept(MinPLogitsWarper(min_p)(None, logits))
+    # top-p: compare away from ties between the cumulative mass and p (float rounding decides those)
+    probs = torch.softmax(logits, -1).sort(dim=-1, descending=True).values.cumsum(-1)
+    if (probs - top_p).abs().min() > 1e-6:
+        assert kept(top_p_filter(logits, top_p)) == kept(TopPLogitsWarper(top_p)(None, logits))
+
+
+def test_filters_compose_and_never_produce_nan():
+    logits = torch.tensor([[1e4, -1e4, 0.0, 50.0], [-INF, 0.0, -INF, -INF]])
+    out = min_p_filter(top_p_filter(top_k_filter(apply_temperature(logits, 0.01), 3), 0.2), 0.5)
+    probs = torch.softmax(out, -1)
+    assert not probs.isnan().any()
+    assert kept(out) == [[0], [1]]
+    ids = sample_next(logits, temperature=5.0, top_k=2, top_p=0.5, min_p=0.1, generator=torch.Generator())
+    assert ids.tolist() == [0, 1]
+
+
+def test_top_k_one_equals_greedy_at_any_temperature():
+    logits = torch.randn(8, 30)
+    for temperature in (0.5, 1.0, 10.0):
+        ids = sample_next(logits, temperature=temperature, top_k=1, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(ids, logits.argmax(-1))
+
+
+def test_sampling_follows_the_filtered_distribution():
+    """Dropped tokens are never drawn; kept ones with their renormalised probability."""
+    probs = [0.4, 0.3, 0.2, 0.1]
+    logits = logits_of([probs] * 20000)
+    ids = sample_next(logits, temperature=1.0, top_p=0.65, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(ids, minlength=4).double() / len(ids)
+    assert counts[2] == 0 and counts[3] == 0  # 0.4 + 0.3 crosses 0.65; the rest are dropped
+    torch.testing.assert_close(counts[:2], torch.tensor([4 / 7, 3 / 7], dtype=torch.float64), atol=0.02, rtol=0)
+
+
+def test_same_seed_same_sample_and_other_seed_other_sample():
+    logits = torch.randn(64, 40)
+
+    def draw(seed):
+        return sample_next(logits, temperature=1.0, top_p=0.95, generator=torch.Generator().manual_seed(seed))
+
+    assert torch.equal(draw(7), draw(7))
+    assert not torch.equal(draw(7), draw(8))
+
+
+def test_repetition_penalty_changes_the_greedy_choice():
+    logits = torch.tensor([[3.0, 2.0, 0.0]])
+    assert sample_next(logits).tolist() == [0]
+    previous = torch.tensor([[0]])
+    assert sample_next(logits, repetition_penalty=2.0, previous_ids=previous).tolist() == [1]
+    with pytest.raises(ValueError, match="repetition_penalty needs previous_ids"):
+        sample_next(logits, repetition_penalty=2.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(temperature=-0.1), ValueError, "temperature=-0.1 must be a finite number >= 0"),
+        (dict(temperature=math.nan), ValueError, "temperature=nan"),
+        (dict(temperature=math.inf), ValueError, "temperature=inf"),
+        (dict(temperature="hot"), TypeError, "temperature='hot' must be a number"),
+        (dict(top_k=0), ValueError, "top_k=0 must be >= 1"),
+        (dict(top_k=2.5), TypeError, "top_k=2.5 must be an int"),
+        (dict(top_p=0.0), ValueError, r"top_p=0.0 must be in \(0, 1\]"),
+        (dict(top_p=1.5), ValueError, r"top_p=1.5 must be in \(0, 1\]"),
+        (dict(top_p=-0.2), ValueError, "top_p=-0.2"),
+        (dict(min_p=-0.1), ValueError, r"min_p=-0.1 must be in \[0, 1\]"),
+        (dict(min_p=1.1), ValueError, "min_p=1.1"),
+        (dict(repetition_penalty=0.0), ValueError, "repetition_penalty=0.0 must be a finite number > 0"),
+        (dict(repetition_penalty=-1.0), ValueError, "repetition_penalty=-1.0"),
+        (dict(top_k=True), TypeError, "top_k=True"),
+    ],
+)
+def test_bad_values_raise(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        check_sampling_args(**kwargs)
+    with pytest.raises(error, match=message):
+        sample_next(torch.zeros(1, 4), previous_ids=torch.zeros(1, 1, dtype=torch.long), **kwargs)
+
+
+def test_bad_logits_and_ids_raise():
+    with pytest.raises(ValueError, match=r"logits must be a 2-D float tensor \(B, V\), got \(4,\)"):
+        top_k_filter(torch.zeros(4), 2)
+    with pytest.raises(ValueError, match="logits must be a 2-D float tensor"):
+        greedy(torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"previous_ids must be \(B, T\) with B=2"):
+        apply_repetition_penalty(torch.zeros(2, 4), torch.zeros(3, 1, dtype=torch.long), 1.5)
+    with pytest.raises(ValueError, match="previous_mask has shape"):
+        apply_repetition_penalty(torch.zeros(1, 4), torch.zeros(1, 2, dtype=torch.long), 1.5, torch.ones(1, 3))
