@@ -1,0 +1,212 @@
+"""generate(): cached == uncached, padded batch == rows alone, greedy == Hugging Face generate on the
+same imported weights, EOS per row, streaming, seeds, and errors raised before any work."""
+
+import pytest
+import torch
+
+from mini_transformer import TransformerConfig, TransformerLM, generate
+
+VOCAB = 60
+
+
+def small_model(pos_emb="learned", n_kv_heads=None, backend="naive", max_seq_len=40) -> TransformerLM:
+    cfg = TransformerConfig(
+        vocab_size=VOCAB, d_model=32, n_heads=4, n_kv_heads=n_kv_heads, n_layer=2, d_ff=64,
+        max_seq_len=max_seq_len, pos_emb=pos_emb, attn_backend=backend, init_std=0.2,
+        norm="rmsnorm" if pos_emb == "rope" else "layernorm", ffn="swiglu" if pos_emb == "rope" else "gelu",
+    )
+    return TransformerLM(cfg).eval()
+
+
+def padded_prompts(pad_lengths, prompt_len, vocab=VOCAB, pad_id=0):
+    idx = torch.randint(1, vocab, (len(pad_lengths), prompt_len))
+    mask = torch.ones_like(idx)
+    for row, n_pad in enumerate(pad_lengths):
+        mask[row, :n_pad] = 0
+    return idx.masked_fill(mask == 0, pad_id), mask
+
+
+class ForwardCounter:
+    def __init__(self, model):
+        self.calls = 0
+        model.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        self.calls += 1
+
+
+@pytest.mark.parametrize("backend", ["naive", "sdpa"])
+@pytest.mark.parametrize("pos_emb, n_kv_heads", [("learned", None), ("rope", 2), ("rope", 1)])
+def test_greedy_with_cache_equals_without(pos_emb, n_kv_heads, backend):
+    model = small_model(pos_emb, n_kv_heads, backend)
+    idx, mask = padded_prompts([0, 2, 5], prompt_len=6)
+    with_cache = generate(model, idx, 16, attention_mask=mask)
+    without = generate(model, idx, 16, attention_mask=mask, use_cache=False)
+    assert with_cache.shape == (3, 16)
+    assert torch.equal(with_cache, without)
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_left_padded_batch_equals_each_row_alone(pos_emb):
+    model = small_model(pos_emb, n_kv_heads=2)
+    idx, mask = padded_prompts([0, 3, 5], prompt_len=6)
+    batch = generate(model, idx, 12, attention_mask=mask)
+    for row in range(3):
+        alone = generate(model, idx[row:row + 1, mask[row].argmax():], 12)
+        assert torch.equal(batch[row], alone[0]), f"row {row}"
+
+
+def test_sampling_with_cache_equals_without_for_the_same_seed():
+    model = small_model("rope", n_kv_heads=2).double()  # float64: cached and uncached probabilities agree to 1e-15
+    idx, mask = padded_prompts([1, 0], prompt_len=5)
+    kwargs = dict(temperature=1.2, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.3, attention_mask=mask)
+    a = generate(model, idx, 15, generator=torch.Generator().manual_seed(3), **kwargs)
+    b = generate(model, idx, 15, use_cache=False, generator=torch.Generator().manual_seed(3), **kwargs)
+    assert torch.equal(a, b)
+
+
+def test_same_seed_same_sample_other_seed_other_sample():
+    model = small_model()
+    idx = torch.randint(0, VOCAB, (4, 3))
+    draw = [generate(model, idx, 20, temperature=1.0, generator=torch.Generator().manual_seed(s)) for s in (5, 5, 6)]
+    assert torch.equal(draw[0], draw[1])
+    assert not torch.equal(draw[0], draw[2])
+
+
+def test_eos_stops_each_row_separately_and_pads_with_eos():
+    model = small_model("rope")
+    idx, mask = padded_prompts([0, 2, 4], prompt_len=5)
+    free = generate(model, idx, 20, attention_mask=mask)
+    eos = int(free[0, 3])  # a token row 0 produces at step 3 (maybe earlier too; maybe elsewhere in other rows)
+    stopped = generate(model, idx, 20, attention_mask=mask, eos_token_id=eos)
+    for row in range(3):
+        hits = (free[row] == eos).nonzero().flatten().tolist()
+        end = hits[0] + 1 if hits else 20
+        assert torch.equal(stopped[row, :end], free[row, :end])  # identical up to and including its EOS
+        assert (stopped[row, end:] == eos).all()  # then only EOS
+    assert (stopped[0] == eos).nonzero()[0].item() <= 3
+
+
+def test_loop_ends_once_every_row_has_stopped():
+    model = small_model()
+    idx = torch.randint(0, VOCAB, (1, 4))
+    first = int(generate(model, idx, 1)[0, 0])
+    steps = []
+    counter = ForwardCounter(model)
+    out = generate(model, idx, 10, eos_token_id=first, stream=steps.append)
+    assert out.tolist() == [[first] * 10]
+    assert len(steps) == 1 and counter.calls == 1  # prefill only: no decode step after everyone stopped
+
+
+def test_stream_receives_each_steps_tokens():
+    model = small_model()
+    idx, mask = padded_prompts([0, 1], prompt_len=4)
+    seen = []
+    out = generate(model, idx, 7, attention_mask=mask, stream=lambda ids: seen.append(ids.clone()))
+    assert len(seen) == 7 and all(s.shape == (2,) for s in seen)
+    assert torch.equal(torch.stack(seen, dim=1), out)
+
+
+def test_prefill_once_then_one_forward_per_token():
+    model = small_model()
+    counter = ForwardCounter(model)
+    generate(model, torch.randint(0, VOCAB, (2, 5)), 8)
+    assert counter.calls == 8  # 1 prefill + 7 decode steps (the last token is never fed back)
+
+
+def test_training_mode_is_restored_and_dropout_is_off():
+    cfg = TransformerConfig.from_preset("tiny", vocab_size=VOCAB, attn_pdrop=0.5, resid_pdrop=0.5, embd_pdrop=0.5)
+    model = TransformerLM(cfg).train()
+    idx = torch.randint(0, VOCAB, (1, 4))
+    out = generate(model, idx, 5)
+    assert model.training
+    assert torch.equal(out, generate(model.eval(), idx, 5))
+
+
+def test_prompt_plus_new_tokens_beyond_max_seq_len_raises_before_any_work():
+    model = small_model(max_seq_len=16)
+    counter = ForwardCounter(model)
+    with pytest.raises(ValueError, match=r"prompt length 10 \+ max_new_tokens 7 = 17 exceeds max_seq_len=16"):
+        generate(model, torch.randint(0, VOCAB, (1, 10)), 7)
+    assert counter.calls == 0
+    assert generate(model, torch.randint(0, VOCAB, (1, 10)), 6).shape == (1, 6)  # exactly full is fine
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(max_new_tokens=0), ValueError, "max_new_tokens=0 must be a positive integer"),
+        (dict(idx=torch.zeros(3, dtype=torch.long)), ValueError, r"idx must be a 2-D integer tensor"),
+        (dict(idx=torch.zeros(1, 3)), ValueError, r"idx must be a 2-D integer tensor"),
+        (dict(attention_mask=torch.tensor([[1, 1, 0]])), ValueError, "pad prompts on the LEFT"),
+        (dict(attention_mask=torch.tensor([[1, 0, 1]])), ValueError, "padding after a real token"),
+        (dict(attention_mask=torch.tensor([[0, 2, 1]])), ValueError, "only 0 .padding. and 1"),
+        (dict(attention_mask=torch.ones(1, 4)), ValueError, r"attention_mask has shape \(1, 4\), expected"),
+        (dict(eos_token_id=VOCAB), ValueError, f"eos_token_id={VOCAB} is outside"),
+        (dict(temperature=-1.0), ValueError, "temperature=-1.0"),
+        (dict(top_p=2.0), ValueError, "top_p=2.0"),
+        (dict(top_k=0), ValueError, "top_k=0"),
+        (dict(stream="print"), TypeError, "stream must be a callable"),
+        (dict(model=torch.nn.Linear(2, 2)), TypeError, "model must be a TransformerLM"),
+    ],
+)
+def test_bad_arguments_raise_before_any_work(kwargs, error, message):
+    model = small_model()
+    counter = ForwardCounter(model)
+    args = dict(model=model, idx=torch.randint(0, VOCAB, (1, 3)), max_new_tokens=4)
+    args.update(kwargs)
+    with pytest.raises(error, match=message):
+        generate(args.pop("model"), args.pop("idx"), args.pop("max_new_tokens"), **args)
+    assert counter.calls == 0
+
+
+# ------------------------------------------------------------------ Hugging Face parity (imported weights)
+def hf_gpt2(vocab=VOCAB):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=48, bos_token_id=0,
+                     eos_token_id=0, initializer_range=0.2)
+    return GPT2LMHeadModel(cfg)
+
+
+def hf_llama(vocab=VOCAB):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=48,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0, initializer_range=0.2)
+    return LlamaForCausalLM(cfg)
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def hf_pair(request, tmp_path_factory):
+    """(HF model, our model loaded from the directory HF saved)."""
+    torch.manual_seed(0)
+    hf = (hf_gpt2 if request.param == "gpt2" else hf_llama)().eval()
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return hf, TransformerLM.from_pretrained(path)
+
+
+def hf_greedy(hf, idx, mask, n, **kwargs):
+    out = hf.generate(idx, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                      pad_token_id=0, eos_token_id=None, **kwargs)
+    return out[:, idx.shape[1]:]
+
+
+@pytest.mark.parametrize("pad_lengths", [[0], [0, 3, 6]], ids=["one-row", "left-padded"])
+def test_greedy_matches_hugging_face_generate(hf_pair, pad_lengths):
+    hf, ours = hf_pair
+    torch.manual_seed(1)
+    idx, mask = padded_prompts(pad_lengths, prompt_len=8)
+    expected = hf_greedy(hf, idx, mask, 20)
+    assert torch.equal(generate(ours, idx, 20, attention_mask=mask), expected)
+    assert torch.equal(generate(ours, idx, 20, attention_mask=mask, use_cache=False), expected)
+
+
+def test_repetition_penalty_matches_hugging_face_generate(hf_pair):
+    hf, ours = hf_pair
+    torch.manual_seed(2)
+    idx = torch.randint(1, VOCAB, (2, 6))
+    expected = hf_greedy(hf, idx, torch.ones_like(idx), 15, repetition_penalty=1.5)
+    assert torch.equal(generate(ours, idx, 15, repetition_penalty=1.5), expected)
