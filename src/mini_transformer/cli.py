@@ -67,6 +67,78 @@ def _run_trace(args) -> None:
     print(trace(config_from_args(args), batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed))
 
 
+# --------------------------------------------------------------------------------------- sample
+def _add_sample(sub) -> None:
+    p = sub.add_parser("sample", help="continue a prompt with a trained checkpoint, streaming the text")
+    p.add_argument("--checkpoint", required=True, help="our checkpoint dir or a Hugging Face GPT-2/Llama dir")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to generate (default: 200, or what still fits in max_seq_len)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-cache", action="store_true", help="re-run the whole sequence every step (slow; to compare)")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=_run_sample)
+
+
+class _TextStream:
+    """Print each step's new text as soon as it is known. The whole continuation is decoded again every
+    step (BPE pieces merge, one character may span several byte tokens); only the new suffix is printed,
+    and text ending in an unfinished character (U+FFFD) waits for the next token."""
+
+    def __init__(self, tokenizer, out, prompt: str):
+        self.tokenizer, self.out, self.prompt = tokenizer, out, prompt
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def __call__(self, step_ids) -> None:
+        if not self.ids:  # the prompt is echoed once generation has really started (no error came first)
+            self.out.write(self.prompt)
+        self.ids.append(int(step_ids[0]))
+        self.flush(final=False)
+
+    def flush(self, final: bool = True) -> None:
+        text = self.tokenizer.decode(self.ids)
+        if not final and text.endswith("\ufffd"):
+            return
+        self.out.write(text[len(self.printed):] if text.startswith(self.printed) else text)
+        self.out.flush()
+        self.printed = text
+
+
+def _run_sample(args) -> None:
+    import torch
+
+    from .generate import generate
+    from .tokenizer import load_tokenizer
+    from .transformer import TransformerLM
+
+    tokenizer = load_tokenizer(args.checkpoint)
+    model = TransformerLM.from_pretrained(args.checkpoint, device=args.device)
+    prompt_ids = tokenizer.encode(args.prompt)
+    if not prompt_ids:
+        raise ValueError("--prompt is empty; give at least one character of text to continue")
+    room = model.config.max_seq_len - len(prompt_ids)
+    max_new_tokens = min(200, room) if args.max_new_tokens is None else args.max_new_tokens
+    if max_new_tokens < 1:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens: no room left in max_seq_len="
+                         f"{model.config.max_seq_len}")
+    idx = torch.tensor([prompt_ids], dtype=torch.long, device=args.device)  # (1, T)
+    stream = _TextStream(tokenizer, sys.stdout, args.prompt)
+    generate(
+        model, idx, max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, eos_token_id=tokenizer.eos_token_id,
+        use_cache=not args.no_cache, generator=torch.Generator(device=args.device).manual_seed(args.seed),
+        stream=stream,
+    )
+    stream.flush()
+    sys.stdout.write("\n")
+
+
 # ----------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -75,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_info(sub)
     _add_trace(sub)
+    _add_sample(sub)
     return parser
 
 
