@@ -194,3 +194,36 @@ def test_prepare_positions_count_real_tokens_only():
     key_mask, positions = cache.prepare(torch.ones(2, 1, dtype=torch.bool))
     assert positions.tolist() == [[2], [4]] and key_mask.shape == (2, 5)
     assert cache.row_lengths.tolist() == [2, 4]
+
+
+@pytest.mark.parametrize("backend", ["naive", "sdpa"])
+def test_unpadded_decode_skips_the_mask_and_still_matches(backend):
+    """Without padding the cache hands attention no mask at all (a single query at the end sees every
+    key); the logits must not change."""
+    model = small_model("rope", n_kv_heads=2, backend=backend)
+    idx = torch.randint(0, VOCAB, (2, 5))
+    cache = KVCache.for_model(model.config, 2, 12)
+    key_mask, _ = cache.prepare(torch.ones(2, 5, dtype=torch.bool), padded=False)
+    assert key_mask is None and not cache.has_padding
+    cache.reset()
+    check_cached_equals_recompute(model, idx, torch.ones_like(idx), n_steps=6)
+
+
+def test_one_query_without_mask_equals_naive_in_every_backend():
+    from mini_transformer.attention import attention
+
+    q = torch.randn(2, 4, 1, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 7, 8, dtype=torch.float64), torch.randn(2, 2, 7, 8, dtype=torch.float64)
+    reference = attention(q, k, v, causal=True, backend="naive")
+    torch.testing.assert_close(attention(q, k, v, causal=True, backend="sdpa"), reference)
+    full = torch.softmax(torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, 1)) / 8**0.5, -1)
+    torch.testing.assert_close(reference, full @ v.repeat_interleave(2, 1))  # sees all 7 keys
+
+
+def test_padding_is_remembered_once_seen():
+    cache = KVCache(1, 2, 8, 1, 2)
+    keep = torch.tensor([[False, True], [True, True]])
+    assert cache.prepare(keep)[0] is not None
+    cache.advance(keep)
+    key_mask, _ = cache.prepare(torch.ones(2, 1, dtype=torch.bool), padded=False)
+    assert key_mask.tolist() == [[False, True, True], [True, True, True]]  # the old padding stays masked

@@ -34,6 +34,7 @@ class KVCache:
         self.keep = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.length = 0
+        self.has_padding = False  # a Python flag, so that deciding "no mask needed" never syncs a device
 
     @classmethod
     def for_model(cls, cfg: TransformerConfig, batch_size: int, max_len: int | None = None, *,
@@ -81,12 +82,15 @@ class KVCache:
         self.keep.zero_()
         self.next_position.zero_()
         self.length = 0
+        self.has_padding = False
 
-    def prepare(self, keep_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reserve slots for T new tokens. keep_new (B, T) bool, True = real token.
+    def prepare(self, keep_new: torch.Tensor, *, padded: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Reserve slots for T new tokens. keep_new (B, T) bool, True = real token; `padded=False`
+        promises that keep_new is all True (the caller knows it without looking at the tensor).
 
-        Returns the key padding mask for all keys so far (B, length + T) and the new tokens'
-        position ids (B, T). Call `advance(keep_new)` once every layer has called `update`.
+        Returns the key padding mask for all keys so far (B, length + T), or None while no slot ever
+        held padding (lets attention skip the mask), and the new tokens' position ids (B, T).
+        Call `advance(keep_new)` once every layer has called `update`.
         """
         B, T = keep_new.shape
         if B != self.batch_size:
@@ -98,14 +102,16 @@ class KVCache:
         end = self.length + T
         self.keep[:, self.length:end] = keep_new
         position_ids = (self.next_position[:, None] + keep_new.cumsum(dim=-1) - 1).clamp(min=0)  # (B, T)
-        return self.keep[:, :end], position_ids
+        self.has_padding = self.has_padding or padded
+        return (self.keep[:, :end] if self.has_padding else None), position_ids
 
     def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this layer's new keys/values (B, Hkv, T, D); return all keys/values (B, Hkv, length + T, D)."""
         end = self.length + k_new.shape[2]
-        self.k[layer, :, :, self.length:end] = k_new
-        self.v[layer, :, :, self.length:end] = v_new
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        k_all, v_all = self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # views into the slabs
+        k_all[:, :, self.length:].copy_(k_new)
+        v_all[:, :, self.length:].copy_(v_new)
+        return k_all, v_all
 
     def advance(self, keep_new: torch.Tensor) -> None:
         self.length += keep_new.shape[1]

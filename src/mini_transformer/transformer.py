@@ -124,7 +124,8 @@ class TransformerLM(nn.Module):
         keep = torch.ones(B, T, dtype=torch.bool, device=idx.device) if attention_mask is None \
             else attention_mask.to(torch.bool)
         if cache is not None:
-            key_padding_mask, positions = cache.prepare(keep)  # (B, Tk), (B, T)
+            # (B, Tk) or None while nothing cached is padding, (B, T)
+            key_padding_mask, positions = cache.prepare(keep, padded=attention_mask is not None)
         else:
             key_padding_mask = keep
             # A left-padded row starts at position 0 at its first real token.

@@ -1,0 +1,150 @@
+"""What does the KV cache buy? Decode tokens/s with the cache vs without, and ours vs Hugging Face.
+
+One model, three ways to generate greedily from the same prompt:
+  cache     our generate(): prefill once, then one token per step against the KV cache (O(T) per token)
+  no-cache  our generate(use_cache=False): the whole sequence again every step (O(T^2) per token)
+  hf        transformers' GPT2LMHeadModel.generate(do_sample=False) on the IDENTICAL weights (imported)
+
+Default: GPT-2 architecture, 6 layers, 6 heads, d_model 384, vocab 50257; prompt 16 tokens, batch 1, CPU.
+
+    python benchmarks/bench_decode.py                      # 64/128/256/512 new tokens, medians of 3 runs
+    python benchmarks/bench_decode.py --lengths 32 64 --repeats 1 --plot decode.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+from tqdm import tqdm
+
+from mini_transformer import TransformerLM, generate
+
+METHODS = ("cache", "no-cache", "hf")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512], help="new tokens per run")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--n-heads", type=int, default=6)
+    p.add_argument("--d-model", type=int, default=384)
+    p.add_argument("--vocab-size", type=int, default=65, help="65 = a character vocabulary (nanoGPT shakespeare-char)")
+    p.add_argument("--backend", default="sdpa", choices=["naive", "sdpa"], help="our attention backend")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per (method, length); the median is shown")
+    p.add_argument("--no-cache-repeats", type=int, default=None,
+                   help="timed runs for the slow no-cache path (default: --repeats)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 keeps ratios stable)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+                   help="which ways to generate (cache is always run: the others are compared with it)")
+    p.add_argument("--plot", metavar="PNG", help="write tokens/s vs new tokens to this PNG")
+    return p.parse_args(argv)
+
+
+def build_models(args):
+    """A random HF GPT-2 and our model imported from the directory it saved: identical weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    max_len = args.prompt_len + max(args.lengths)
+    hf_config = GPT2Config(
+        vocab_size=args.vocab_size, n_embd=args.d_model, n_layer=args.n_layer, n_head=args.n_heads,
+        n_positions=max(1024, max_len), bos_token_id=0, eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(hf_config).eval().to(args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        ours = TransformerLM.from_pretrained(tmp, device=args.device, attn_backend=args.backend)
+    return ours.eval(), hf
+
+
+def run_once(method, ours, hf, idx, n_new) -> torch.Tensor:
+    if method == "hf":
+        out = hf.generate(idx, attention_mask=torch.ones_like(idx), do_sample=False, max_new_tokens=n_new,
+                          min_new_tokens=n_new, pad_token_id=0, eos_token_id=None)
+        return out[:, idx.shape[1]:]
+    return generate(ours, idx, n_new, use_cache=method == "cache")
+
+
+def timed(method, ours, hf, idx, n_new, device) -> float:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        run_once(method, ours, hf, idx, n_new)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ours, hf = build_models(args)
+    methods = [m for m in METHODS if m == "cache" or m in args.methods]
+    idx = torch.randint(1, args.vocab_size, (args.batch_size, args.prompt_len), device=args.device)
+
+    # Same weights, same greedy tokens: check it before timing anything.
+    check = {m: run_once(m, ours, hf, idx, 8) for m in methods}  # also the warm-up
+    for m in methods[1:]:
+        if not torch.equal(check[m], check["cache"]):
+            raise SystemExit(f"{m} produced other tokens than cache: {check[m].tolist()} vs {check['cache'].tolist()}")
+
+    no_cache_repeats = args.no_cache_repeats or args.repeats
+    jobs = [(n, m) for n in args.lengths for m in methods]
+    total = sum(no_cache_repeats if m == "no-cache" else args.repeats for _, m in jobs)
+    seconds: dict[tuple[int, str], float] = {}
+    with tqdm(total=total, desc="decode runs", unit="run") as bar:
+        for n, m in jobs:
+            runs = []
+            for _ in range(no_cache_repeats if m == "no-cache" else args.repeats):
+                runs.append(timed(m, ours, hf, idx, n, args.device))
+                bar.update()
+            seconds[n, m] = statistics.median(runs)
+
+    tok_s = {key: args.batch_size * key[0] / s for key, s in seconds.items()}
+    print(f"\nGPT-2 arch: {args.n_layer} layers, {args.n_heads} heads, d_model {args.d_model}, "
+          f"vocab {args.vocab_size}; prompt {args.prompt_len}, batch {args.batch_size}, greedy, {args.device}, "
+          f"{args.threads} thread(s), our backend {args.backend}; "
+          f"median of {args.repeats} runs (no-cache: {no_cache_repeats})")
+    header = f"{'new tokens':>10} | " + " | ".join(f"{m + ' tok/s':>15}" for m in methods)
+    header += f" | {'cache/no-cache':>14}" if "no-cache" in methods else ""
+    header += f" | {'ours/hf':>8}" if "hf" in methods else ""
+    print(header)
+    print("-" * len(header))
+    for n in args.lengths:
+        row = f"{n:>10} | " + " | ".join(f"{tok_s[n, m]:>15.1f}" for m in methods)
+        if "no-cache" in methods:
+            row += f" | {tok_s[n, 'cache'] / tok_s[n, 'no-cache']:>13.1f}x"
+        if "hf" in methods:
+            row += f" | {tok_s[n, 'cache'] / tok_s[n, 'hf']:>7.2f}x"
+        print(row)
+
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for m in methods:
+            ax.plot(args.lengths, [tok_s[n, m] for n in args.lengths], marker="o", label=m)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("new tokens")
+        ax.set_ylabel("tokens / s")
+        ax.set_title(f"greedy decode, {args.n_layer}x{args.d_model} GPT-2, {args.device}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"plot written to {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
