@@ -96,17 +96,14 @@ def main(argv=None) -> None:
         if not torch.equal(check[m], check["cache"]):
             raise SystemExit(f"{m} produced other tokens than cache: {check[m].tolist()} vs {check['cache'].tolist()}")
 
+    # Methods take turns (cache, no-cache, hf, cache, ...) so that a change in machine load hits all of them.
     no_cache_repeats = args.no_cache_repeats or args.repeats
-    jobs = [(n, m) for n in args.lengths for m in methods]
-    total = sum(no_cache_repeats if m == "no-cache" else args.repeats for _, m in jobs)
-    seconds: dict[tuple[int, str], float] = {}
-    with tqdm(total=total, desc="decode runs", unit="run") as bar:
-        for n, m in jobs:
-            runs = []
-            for _ in range(no_cache_repeats if m == "no-cache" else args.repeats):
-                runs.append(timed(m, ours, hf, idx, n, args.device))
-                bar.update()
-            seconds[n, m] = statistics.median(runs)
+    jobs = [(n, m) for n in args.lengths for r in range(max(args.repeats, no_cache_repeats)) for m in methods
+            if r < (no_cache_repeats if m == "no-cache" else args.repeats)]
+    runs: dict[tuple[int, str], list[float]] = {}
+    for n, m in tqdm(jobs, desc="decode runs", unit="run"):
+        runs.setdefault((n, m), []).append(timed(m, ours, hf, idx, n, args.device))
+    seconds = {key: statistics.median(values) for key, values in runs.items()}
 
     tok_s = {key: args.batch_size * key[0] / s for key, s in seconds.items()}
     print(f"\nGPT-2 arch: {args.n_layer} layers, {args.n_heads} heads, d_model {args.d_model}, "
