@@ -1,4 +1,5 @@
-"""Saving and loading weights: our own format (model.safetensors + config.json)."""
+"""Saving and loading weights: our own format (model.safetensors + config.json), and the entry point
+that also reads local Hugging Face GPT-2 / Llama directories (the mapping lives in hf_import.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import TransformerConfig
+from .hf_import import config_from_hf, convert_hf_state, read_hf_weights
 from .transformer import TransformerLM
 
 CONFIG_NAME = "config.json"
@@ -18,10 +20,10 @@ WEIGHTS_NAME = "model.safetensors"
 def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Strip the `_orig_mod.` (torch.compile) and `module.` (DDP) prefixes from parameter names."""
     cleaned = {}
+    prefixes = ("_orig_mod.", "module.")
     for name, tensor in state_dict.items():
-        for prefix in ("_orig_mod.", "module."):
-            while name.startswith(prefix):
-                name = name[len(prefix):]
+        while name.startswith(prefixes):  # in any order and any number: DDP(compile(model)) gives both
+            name = name.split(".", 1)[1]
         cleaned[name] = tensor
     return cleaned
 
@@ -59,15 +61,26 @@ def load_state_into(model: TransformerLM, state: dict[str, torch.Tensor]) -> Non
 
 
 def load_pretrained(path: str | Path, *, device: str | torch.device = "cpu", **overrides) -> TransformerLM:
-    """Load a directory written by `save_pretrained`. `overrides` change config fields (e.g. attn_backend)."""
+    """Load a directory written by `save_pretrained`, or a local Hugging Face GPT-2 / Llama directory
+    (config.json + model.safetensors or pytorch_model.bin). Never touches the network.
+
+    `overrides` change config fields (e.g. attn_backend="sdpa"). The model comes back in eval mode
+    (dropout off), like Hugging Face's from_pretrained; call .train() to fine-tune.
+    """
     path = Path(path)
     config_file = path / CONFIG_NAME
     if not config_file.is_file():
         raise ValueError(f"path={str(path)!r} has no {CONFIG_NAME}; expected a checkpoint directory")
     raw = json.loads(config_file.read_text())
-    model_type = raw.pop("model_type", None)
-    if model_type != "mini-transformer":
-        raise ValueError(f"{config_file} has model_type={model_type!r}; expected 'mini-transformer'")
-    model = TransformerLM(TransformerConfig.from_dict({**raw, **overrides}))
-    load_state_into(model, load_file(str(path / WEIGHTS_NAME)))
-    return model.to(device)
+    if raw.get("model_type") == "mini-transformer":
+        raw.pop("model_type")
+        model = TransformerLM(TransformerConfig.from_dict({**raw, **overrides}))
+        weights = path / WEIGHTS_NAME
+        if not weights.is_file():
+            raise ValueError(f"path={str(path)!r} has no {WEIGHTS_NAME}; expected the weights next to {CONFIG_NAME}")
+        load_state_into(model, load_file(str(weights)))
+    else:  # a Hugging Face directory: an unknown architecture raises ValueError here
+        model = TransformerLM(config_from_hf(raw, **overrides))
+        state = convert_hf_state(read_hf_weights(path), raw, model.config, model.state_dict())
+        load_state_into(model, state)
+    return model.to(device).eval()
