@@ -20,10 +20,10 @@ WEIGHTS_NAME = "model.safetensors"
 def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Strip the `_orig_mod.` (torch.compile) and `module.` (DDP) prefixes from parameter names."""
     cleaned = {}
+    prefixes = ("_orig_mod.", "module.")
     for name, tensor in state_dict.items():
-        for prefix in ("_orig_mod.", "module."):
-            while name.startswith(prefix):
-                name = name[len(prefix):]
+        while name.startswith(prefixes):  # in any order and any number: DDP(compile(model)) gives both
+            name = name.split(".", 1)[1]
         cleaned[name] = tensor
     return cleaned
 

@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as err:
         print(f"mini-transformer {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and closed early: not an error
+        sys.stderr.close()
     return 0
 
 

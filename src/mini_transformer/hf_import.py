@@ -154,11 +154,11 @@ def source_shapes(rule: Rule, target_shape: tuple[int, ...], cfg: TransformerCon
     return [(rows, *target_shape[1:]) for rows in (q_rows, kv_rows, kv_rows)]
 
 
-def strip_base_prefix(state: dict[str, torch.Tensor], family: str) -> dict[str, torch.Tensor]:
+def base_prefix(state: dict[str, torch.Tensor], family: str) -> str:
     """HF's *LMHeadModel / *ForCausalLM store the base model under `transformer.` (GPT-2) or `model.`
-    (Llama); checkpoints of the bare base model have no prefix. Return names without it."""
+    (Llama); files of the bare base model (like the original hub GPT-2) have no prefix."""
     prefix = "transformer." if family == "gpt2" else "model."
-    return {name.removeprefix(prefix): tensor for name, tensor in state.items()}
+    return prefix if any(name.startswith(prefix) for name in state) else ""
 
 
 def convert_hf_state(
@@ -167,7 +167,13 @@ def convert_hf_state(
     """Rename/transpose/concatenate HF tensors into our names. `expected` is our model's state_dict
     (for the target shapes). Raises ValueError for a missing, unexpected or mis-shaped HF tensor."""
     family = hf_family(raw)
-    state = strip_base_prefix(hf_state, family)
+    prefix = base_prefix(hf_state, family)
+    file_names = {name.removeprefix(prefix): name for name in hf_state}
+    state = {short: hf_state[name] for short, name in file_names.items()}
+
+    def in_file(name: str) -> str:  # the name as the checkpoint file spells it, for error messages
+        return file_names.get(name, name if name == "lm_head.weight" else prefix + name)
+
     rules = gpt2_rules(cfg) if family == "gpt2" else llama_rules(cfg)
     if cfg.tie_weights:
         state.pop("lm_head.weight", None)  # some files repeat the tied head; the embedding is the source
@@ -179,16 +185,16 @@ def convert_hf_state(
     # every (HF name, shape it must have, our target) the model needs
     needed = [(name, shape, rule.target) for rule in rules for name, shape in
               zip(rule.sources, source_shapes(rule, tuple(expected[rule.target].shape), cfg), strict=True)]
-    missing = [f"{name!r} (expected shape {shape})" for name, shape, _ in needed if name not in state]
+    missing = [f"{in_file(name)!r} (expected shape {shape})" for name, shape, _ in needed if name not in state]
     if missing:
         raise ValueError(f"the {family} checkpoint is missing tensors: {', '.join(missing)}")
     extra = sorted(set(state) - {name for name, _, _ in needed})
     if extra:
-        listed = ", ".join(f"{name!r} (shape {tuple(state[name].shape)})" for name in extra)
+        listed = ", ".join(f"{in_file(name)!r} (shape {tuple(state[name].shape)})" for name in extra)
         raise ValueError(f"the {family} checkpoint has unexpected tensors the model has no place for: {listed}")
     for name, shape, target in needed:
         if tuple(state[name].shape) != shape:
-            raise ValueError(f"tensor {name!r} has shape {tuple(state[name].shape)} in the checkpoint but "
+            raise ValueError(f"tensor {in_file(name)!r} has shape {tuple(state[name].shape)} in the checkpoint but "
                              f"the model needs {shape} (for {target!r})")
 
     converted = {}

@@ -12,7 +12,8 @@ from .config import TransformerConfig
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight: LayerNorm without centring and without a bias.
 
-    Computed in float32 (as Llama does) and cast back, so bf16 activations keep their scale.
+    Computed in float32 (as Llama does) and cast back, so bf16 activations keep their scale; the
+    output has the input's dtype even when the weight is float32 (bf16 activations, fp32 master weights).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -23,7 +24,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return (self.weight * x32.to(x.dtype)).to(x.dtype)  # weight * normalised, as HF Llama rounds it
 
 
 def make_norm(cfg: TransformerConfig) -> nn.Module:

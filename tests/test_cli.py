@@ -1,0 +1,74 @@
+"""The command line: info, trace, errors."""
+
+import pytest
+
+from mini_transformer.cli import main, parse_overrides
+from mini_transformer.config import TransformerConfig
+from mini_transformer.info import count_parameters, kv_bytes_per_token
+from mini_transformer.trace import trace
+
+
+def test_info_gpt2_small(capsys):
+    assert main(["info", "--preset", "gpt2-small"]) == 0
+    out = capsys.readouterr().out
+    assert "124,439,808" in out and "163,037,184" in out  # tied and untied totals
+    assert "d_head=64" in out
+    assert "fp32 474.7 MiB" in out and "bf16 237.4 MiB" in out
+
+
+def test_parameter_groups_add_up():
+    cfg = TransformerConfig.from_preset("gpt2-small")
+    groups = count_parameters(cfg)
+    assert groups["token embedding"] == 50257 * 768
+    assert groups["position embedding"] == 1024 * 768
+    assert groups["attention"] == 12 * (768 * 3 * 768 + 3 * 768 + 768 * 768 + 768)
+    assert groups["ffn"] == 12 * (768 * 3072 + 3072 + 3072 * 768 + 768)
+    assert groups["lm head"] == 0
+    assert sum(groups.values()) == 124_439_808
+
+
+def test_kv_bytes_per_token_mha_gqa_mqa():
+    cfg = TransformerConfig.from_preset("llama-tiny")  # 2 layers, 4 heads, 2 kv heads, d_head 16
+    assert kv_bytes_per_token(cfg, bytes_per_value=2) == 2 * 2 * 2 * 16 * 2
+    assert kv_bytes_per_token(cfg, n_kv_heads=4, bytes_per_value=4) == 2 * 2 * 4 * 16 * 4
+    assert kv_bytes_per_token(cfg, n_kv_heads=1) == 2 * 2 * 1 * 16 * 2
+
+
+def test_trace_prints_real_shapes_at_every_stage():
+    out = trace(TransformerConfig.from_preset("tiny"), batch_size=2, seq_len=8)
+    for line in ["token ids", "(2, 8, 64)", "W_qkv", "(2, 8, 192)", "(2, 4, 8, 16)", "scores", "(2, 4, 8, 8)",
+                 "weights", "ffn up-projection", "(2, 8, 256)", "final norm", "logits", "(2, 8, 100)"]:
+        assert line in out
+    assert out.count("block 0") == 1 and out.count("block 1") == 1
+
+
+def test_trace_gqa_shows_fewer_kv_heads(capsys):
+    assert main(["trace", "--preset", "llama-tiny", "--seq-len", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "(2, 4, 4, 16)" in out and "(2, 2, 4, 16)" in out and "RoPE" in out
+
+
+def test_trace_leaves_no_hooks_behind():
+    from mini_transformer import TransformerLM
+    from mini_transformer.trace import ShapeRecorder
+
+    model = TransformerLM(TransformerConfig.from_preset("tiny"))
+    recorder = ShapeRecorder(model)
+    recorder.remove()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_set_overrides_are_typed():
+    assert parse_overrides(["n_layer=3", "attn_pdrop=0.1", "bias=false", "pos_emb=rope", "d_ff=none"]) == {
+        "n_layer": 3, "attn_pdrop": 0.1, "bias": False, "pos_emb": "rope", "d_ff": None}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_overrides(["n_layer"])
+
+
+def test_bad_values_exit_2_with_a_message(capsys):
+    assert main(["trace", "--preset", "tiny", "--seq-len", "99"]) == 2
+    assert "max_seq_len=32" in capsys.readouterr().err
+    assert main(["info", "--set", "d_model=100"]) == 2
+    assert "d_model=100" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["info", "--preset", "gpt5"])

@@ -1,0 +1,199 @@
+"""Stage 1 model: shapes, loss, causality, padding, dropout, gradients, tying, errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mini_transformer import TransformerConfig, TransformerLM
+
+BACKENDS = ["naive", "sdpa"]
+VARIANTS = [
+    dict(),  # the seed's stage 1: learned positions, LayerNorm, GELU, pre-norm
+    dict(norm_position="post"),
+    dict(pos_emb="rope", norm="rmsnorm", ffn="swiglu", n_kv_heads=2, bias=False, tie_weights=False),
+]
+
+
+def tiny(**overrides) -> TransformerLM:
+    return TransformerLM(TransformerConfig.from_preset("tiny", **overrides)).eval()
+
+
+def ids(B=2, T=10, vocab=100):
+    return torch.randint(0, vocab, (B, T))
+
+
+def test_logits_shape_and_loss_is_cross_entropy():
+    model = tiny()
+    idx, targets = ids(), ids()
+    logits, loss = model(idx, targets)
+    assert logits.shape == (2, 10, 100)
+    assert torch.allclose(loss, F.cross_entropy(logits.reshape(-1, 100), targets.reshape(-1)), atol=1e-6)
+    assert model(idx)[1] is None
+
+
+def test_loss_ignores_minus_100_and_never_nan():
+    model = tiny()
+    idx, targets = ids(), ids()
+    masked = targets.clone()
+    masked[:, :4] = -100
+    logits, loss = model(idx, masked)
+    expected = F.cross_entropy(logits[:, 4:].reshape(-1, 100), targets[:, 4:].reshape(-1))
+    assert torch.allclose(loss, expected, atol=1e-6)
+    _, empty = model(idx, torch.full_like(targets, -100))
+    assert empty.item() == 0.0
+
+
+def test_fused_qkv_split_equals_the_seed_permute():
+    model = tiny()
+    attn = model.blocks[0].attn
+    x = torch.randn(2, 5, 64)
+    qkv = attn.W_qkv(x)  # (B, T, 3C)
+    seed_q, seed_k, seed_v = qkv.view(2, 5, 3, 4, 16).permute(2, 0, 3, 1, 4).unbind(0)  # the seed's layout
+    ours = qkv.view(2, 5, 12, 16).transpose(1, 2).split([4, 4, 4], dim=1)
+    for a, b in zip((seed_q, seed_k, seed_v), ours, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_causality_future_tokens_do_not_change_past_logits(backend, variant):
+    model = tiny(attn_backend=backend, **variant)
+    idx = ids(T=12)
+    changed = idx.clone()
+    changed[:, 7:] = (changed[:, 7:] + 1) % 100
+    a, b = model(idx)[0], model(changed)[0]
+    assert torch.equal(a[:, :7], b[:, :7])
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_left_and_right_padding_leave_real_logits_unchanged(backend, variant):
+    model = tiny(attn_backend=backend, **variant)
+    idx = ids(B=1, T=9)
+    plain = model(idx)[0]
+    pad = torch.zeros(1, 3, dtype=torch.long)
+    left = model(torch.cat([pad, idx], 1), attention_mask=torch.tensor([[0] * 3 + [1] * 9]))[0]
+    right = model(torch.cat([idx, pad], 1), attention_mask=torch.tensor([[1] * 9 + [0] * 3]))[0]
+    assert (left[:, 3:] - plain).abs().max() <= 1e-5
+    assert (right[:, :9] - plain).abs().max() <= 1e-5
+
+
+@settings(max_examples=15, deadline=None)
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=4), backend=st.sampled_from(BACKENDS))
+def test_batched_left_padding_equals_each_row_alone(lengths, backend):
+    model = tiny(attn_backend=backend)
+    T = max(lengths)
+    rows = [ids(B=1, T=n) for n in lengths]
+    batch = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for b, row in enumerate(rows):
+        batch[b, T - row.shape[1]:] = row[0]
+        mask[b, T - row.shape[1]:] = 1
+    logits = model(batch, attention_mask=mask)[0]
+    for b, row in enumerate(rows):
+        alone = model(row)[0]
+        assert (logits[b, T - row.shape[1]:] - alone[0]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_padded_row_gives_no_nan(backend):
+    model = tiny(attn_backend=backend).train()
+    mask = torch.tensor([[0] * 6, [1] * 6])
+    targets = ids(T=6)
+    targets[0] = -100
+    logits, loss = model(ids(T=6), targets, attention_mask=mask)
+    loss.backward()
+    assert torch.isfinite(logits).all() and torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_dropout_active_in_train_and_off_in_eval():
+    model = tiny(attn_pdrop=0.3, resid_pdrop=0.3, embd_pdrop=0.3)
+    idx = ids()
+    eval_a, eval_b = model(idx)[0], model(idx)[0]
+    assert torch.equal(eval_a, eval_b)
+    no_dropout = TransformerLM(model.config.replace(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)).eval()
+    no_dropout.load_state_dict(model.state_dict())
+    assert torch.equal(no_dropout(idx)[0], eval_a)
+    model.train()
+    assert not torch.allclose(model(idx)[0], model(idx)[0])
+
+
+@pytest.mark.parametrize("name", ["attn_pdrop", "resid_pdrop", "embd_pdrop"])
+def test_each_dropout_switch_does_something(name):
+    model = tiny(**{name: 0.5}).train()
+    idx = ids()
+    assert not torch.allclose(model(idx)[0], model(idx)[0])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_parameter_gets_a_gradient(variant):
+    model = tiny(**variant).train()
+    _, loss = model(ids(), ids())
+    loss.backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+
+
+def test_tied_weights_share_storage():
+    model = tiny()
+    assert model.lm_head.weight is model.tok_emb.weight
+    assert model.lm_head.weight.data_ptr() == model.tok_emb.weight.data_ptr()
+    untied = tiny(tie_weights=False)
+    assert untied.lm_head.weight.data_ptr() != untied.tok_emb.weight.data_ptr()
+    assert untied.num_parameters() == model.num_parameters() + 100 * 64
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope", "sinusoidal", "none"])
+def test_state_dict_holds_parameters_only(pos_emb):
+    model = tiny(pos_emb=pos_emb)
+    names = set(model.state_dict())
+    assert names == {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    assert not any("mask" in n or "cos" in n or "sin" in n for n in names)
+
+
+def test_gpt2_small_has_gpt2_parameter_count():
+    with torch.device("meta"):
+        model = TransformerLM(TransformerConfig.from_preset("gpt2-small"))
+    assert model.num_parameters() == 124_439_808
+
+
+def test_post_norm_block_is_norm_of_residual_sum():
+    model = tiny(norm_position="post")
+    block = model.blocks[0]
+    x = torch.randn(2, 5, 64)
+    h = block.norm_1(x + block.attn(x))
+    assert torch.allclose(block(x), block.norm_2(h + block.ffn(h)), atol=1e-6)
+    pre = tiny().blocks[0]
+    h = x + pre.attn(pre.norm_1(x))
+    assert torch.allclose(pre(x), h + pre.ffn(pre.norm_2(h)), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda m: m(torch.randint(0, 100, (10,))), ValueError, "2-D integer tensor"),
+        (lambda m: m(torch.rand(2, 5)), ValueError, "2-D integer tensor"),
+        (lambda m: m([[1, 2]]), ValueError, "2-D integer tensor"),
+        (lambda m: m(torch.tensor([[1, 100]])), ValueError, "token id 100"),
+        (lambda m: m(torch.tensor([[1, -3]])), ValueError, "token id -3"),
+        (lambda m: m(torch.zeros(1, 33, dtype=torch.long)), ValueError, "max_seq_len=32"),
+        (lambda m: m(torch.zeros(1, 0, dtype=torch.long)), ValueError, "T=0"),
+        (lambda m: m(torch.zeros(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 4)), ValueError,
+         "attention_mask has shape (2, 4)"),
+        (lambda m: m(torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long)), ValueError,
+         "targets has shape (2, 4)"),
+        (lambda m: m(torch.zeros(2, 5, dtype=torch.long), torch.full((2, 5), 100)), ValueError, "id 100"),
+        (lambda m: m(torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 5)), ValueError, "integer"),
+        (lambda m: TransformerLM({"d_model": 64}), TypeError, "TransformerConfig"),
+        (lambda m: TransformerConfig.from_preset("nope"), ValueError, "preset='nope'"),
+        (lambda m: TransformerConfig.from_preset("tiny", attn_backend="fast"), ValueError, "attn_backend='fast'"),
+    ],
+)
+def test_error_paths(call, error, words):
+    with pytest.raises(error) as err:
+        call(tiny())
+    assert words in str(err.value)
