@@ -2,7 +2,8 @@
 
 Rows of a batch are left-padded, so every row has the same number of written slots (`length`);
 `keep` remembers which slots hold real tokens and `next_position` how many real tokens each row
-has seen (the position id of its next token).
+has seen (the position id of its next token). `has_padding` stays False until a padded batch is
+written, and until then attention gets no mask at all (a single decode query sees every key).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class KVCache:
             raise ValueError(f"cache overflow: {self.length} cached + {n_new} new tokens > max_len={max_len}")
 
     def reset(self) -> None:
+        """Forget everything (the slabs are kept and overwritten): ready for a new batch of prompts."""
         self.keep.zero_()
         self.next_position.zero_()
         self.length = 0
