@@ -11,8 +11,8 @@ another's peak. Peak memory is the peak extra memory of the first call, inputs e
     (Where clear_refs cannot be written, ru_maxrss is used instead, which includes start-up peaks.)
   * CUDA: torch.cuda.max_memory_allocated() after reset_peak_memory_stats(), minus the memory before.
 A backend whose memory, extrapolated as T^2 from the last T it ran at (for naive's first T: counted
-as 3 or 5 live T x T matrices), would pass --mem-limit-gb is skipped at that T: naive at T=8192 needs
-about 6 GB for the forward pass and 10 GB for forward+backward.
+as 3.2 live T x T matrices, as measured), would pass --mem-limit-gb is skipped at that T: naive at
+T=8192 needs about 6 GB, forward or forward+backward.
 """
 
 from __future__ import annotations
@@ -131,11 +131,11 @@ def sweep(args) -> list[dict]:
         if (mode, backend) in last_peak:
             peak_mb, at_T = last_peak[mode, backend]
             predicted_gb = peak_mb * (T / at_T) ** 2 / 1024
-        elif backend == "naive":  # about 3 (fwd) or 5 (fwd+bwd) T x T matrices alive at once
-            predicted_gb = (3 if mode == "fwd" else 5) * args.batch * args.heads * T * T * 4 / 2**30
+        elif backend == "naive":  # a little over 3 T x T matrices alive at once (measured)
+            predicted_gb = 3.2 * args.batch * args.heads * T * T * 4 / 2**30
         if predicted_gb is not None and predicted_gb > args.mem_limit_gb:
             results.append(dict(backend=backend, T=T, mode=mode,
-                                skipped=f"~{predicted_gb:.0f} GB > --mem-limit-gb {args.mem_limit_gb:g}"))
+                                skipped=f"~{predicted_gb:.1f} GB > --mem-limit-gb {args.mem_limit_gb:g}"))
             continue
         row = spawn(backend, T, mode, args)
         if "ms" in row:
