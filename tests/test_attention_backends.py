@@ -7,6 +7,10 @@ cases use small shapes and tiles of 16-32 rows; it has no float64, so it is comp
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -272,3 +276,39 @@ def test_triton_rejects_what_it_cannot_run(monkeypatch):
     monkeypatch.setattr(triton_flash, "triton", None)
     with pytest.raises(ImportError, match="triton"):
         triton_flash.triton_attention(q, k, v, **kwargs)
+
+
+COMPILE_FOR_SM90 = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from mini_transformer.attention import triton_flash as tf
+
+target = GPUTarget("cuda", 90, 32)
+backend = triton.compiler.make_backend(target)
+for dtype, ty, head_dim in ((torch.float16, "fp16", 64), (torch.float32, "fp32", 128)):
+    for kernel, backward in ((tf._fwd_kernel, False), (tf._bwd_dkdv_kernel, True), (tf._bwd_dq_kernel, True)):
+        bm, bn, warps, stages = tf._blocks(head_dim, dtype, backward)
+        consts = dict(CAUSAL=True, HAS_KEEP=True, PRECISION="tf32" if ty == "fp32" else "ieee",
+                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=head_dim)
+        sig = {n: "constexpr" if n in consts else "*fp32" if n in ("LSE", "DELTA") else "*i8" if n == "KEEP"
+               else "*" + ty if n.isupper() else "fp32" if n == "scale" else "i32" for n in kernel.arg_names}
+        src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts)
+        options = backend.parse_options(dict(num_warps=warps, num_stages=stages))
+        compiled = triton.compile(src, target=target, options=options.__dict__)
+        assert compiled.metadata.shared <= 99 * 1024, (kernel.__name__, ty, compiled.metadata.shared)
+print("compiled")
+"""
+
+
+def test_triton_kernels_compile_for_a_gpu(tmp_path):
+    """The interpreter never runs the Triton compiler; compile every kernel for sm_90 (no GPU needed) so
+    that GPU-only errors (non-constexpr globals, bad dot shapes, too much shared memory) fail here."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True)
+    if done.returncode != 0 and "ptxas" in done.stderr and "not found" in done.stderr.lower():
+        pytest.skip("this triton install has no ptxas to compile with")
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-2000:]
