@@ -212,7 +212,7 @@ def model_pair(backend: str, **overrides):
     return reference, model
 
 
-@pytest.mark.parametrize("backend", ["tiled", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_model_training_step_matches_naive(backend):
     reference, model = model_pair(backend)
     idx = torch.randint(0, 100, (2, 24))
@@ -229,7 +229,7 @@ def test_model_training_step_matches_naive(backend):
         torch.testing.assert_close(param.grad, grads_ref[name].grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("backend", ["tiled", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_model_cached_decode_matches_full_forward(backend):
     reference, model = model_pair(backend)
     idx = torch.randint(0, 100, (2, 12))
