@@ -19,9 +19,12 @@ def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     """Strip the `_orig_mod.` (torch.compile) and `module.` (DDP) prefixes from parameter names."""
     cleaned = {}
     for name, tensor in state_dict.items():
-        for prefix in ("_orig_mod.", "module."):
-            while name.startswith(prefix):
-                name = name[len(prefix):]
+        stripped = True
+        while stripped:  # in any order and nesting: DDP(compile(m)) gives "module._orig_mod."
+            stripped = False
+            for prefix in ("_orig_mod.", "module."):
+                if name.startswith(prefix):
+                    name, stripped = name[len(prefix):], True
         cleaned[name] = tensor
     return cleaned
 
