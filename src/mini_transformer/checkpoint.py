@@ -18,13 +18,10 @@ WEIGHTS_NAME = "model.safetensors"
 def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Strip the `_orig_mod.` (torch.compile) and `module.` (DDP) prefixes from parameter names."""
     cleaned = {}
+    prefixes = ("_orig_mod.", "module.")
     for name, tensor in state_dict.items():
-        stripped = True
-        while stripped:  # in any order and nesting: DDP(compile(m)) gives "module._orig_mod."
-            stripped = False
-            for prefix in ("_orig_mod.", "module."):
-                if name.startswith(prefix):
-                    name, stripped = name[len(prefix):], True
+        while name.startswith(prefixes):  # in any order and any number: DDP(compile(model)) gives both
+            name = name.split(".", 1)[1]
         cleaned[name] = tensor
     return cleaned
 
