@@ -59,6 +59,8 @@ def test_lr_schedule_warmup_then_cosine_to_min_lr():
     assert lrs[110] == lrs[119] == 1e-4
     later = TrainConfig(warmup_steps=10, max_steps=50, lr_decay_steps=110)
     assert [lr_at(s, later) for s in range(50)] == lrs[:50]  # the schedule follows lr_decay_steps
+    assert TrainConfig(max_steps=2000).warmup == 100 and TrainConfig(max_steps=30).warmup == 3  # default
+    assert lr_at(0, TrainConfig(warmup_steps=0, max_steps=10)) == pytest.approx(1e-3)
 
 
 def test_weight_decay_only_on_matrices_and_embeddings():
@@ -79,6 +81,7 @@ def test_weight_decay_only_on_matrices_and_embeddings():
         (dict(lr=1e-4, min_lr=1e-3), "min_lr"),
         (dict(beta2=1.0), "beta2=1.0"),
         (dict(warmup_steps=100, max_steps=100), "warmup_steps=100"),
+        (dict(warmup_steps=-1), "warmup_steps=-1"),
         (dict(tokenizer="words"), "tokenizer='words'"),
         (dict(precision="fp8"), "precision='fp8'"),
         (dict(compile="yes"), "compile='yes'"),

@@ -149,7 +149,15 @@ def _run_train(args) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         best = Path(result.out_dir) / "best"
         print(f"best val loss {result.best_val_loss:.4f}; loss curve {Path(result.out_dir) / 'loss.png'}")
-        print(f"sample from it: mini-transformer sample --checkpoint {best}")
+        prompt = next(p for p in ("ROMEO:", "The ", result.tokenizer.decode([0])) if _encodes(result.tokenizer, p))
+        print(f"sample from it: mini-transformer sample --checkpoint {best} --prompt {prompt!r}")
+
+
+def _encodes(tokenizer, text: str) -> bool:
+    try:
+        return bool(tokenizer.encode(text))
+    except ValueError:
+        return False
 
 
 # ----------------------------------------------------------------------------------------- main

@@ -57,7 +57,7 @@ class TrainConfig:
     max_steps: int = 2000  # optimizer updates
     lr: float = 1e-3
     min_lr: float = 1e-4
-    warmup_steps: int = 100
+    warmup_steps: int | None = None  # None = min(100, a tenth of the decay steps)
     lr_decay_steps: int | None = None  # where the cosine reaches min_lr; None = max_steps
     weight_decay: float = 0.1  # on >= 2-D weights only
     beta1: float = 0.9
@@ -84,8 +84,10 @@ class TrainConfig:
         for name in ("block_size", "lr_decay_steps"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
-        for name in ("warmup_steps", "num_samples", "seed"):
+        for name in ("num_samples", "seed", "warmup_steps"):
             value = getattr(self, name)
+            if name == "warmup_steps" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be a non-negative integer")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
@@ -98,7 +100,7 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
                 raise ValueError(f"{name}={value!r} must be in [0, 1)")
-        if self.warmup_steps >= self.decay_steps:
+        if self.warmup_steps is not None and self.warmup_steps >= self.decay_steps:
             raise ValueError(
                 f"warmup_steps={self.warmup_steps} must be smaller than lr_decay_steps (or max_steps)="
                 f"{self.decay_steps}"
@@ -113,6 +115,10 @@ class TrainConfig:
     @property
     def decay_steps(self) -> int:
         return self.lr_decay_steps if self.lr_decay_steps is not None else self.max_steps
+
+    @property
+    def warmup(self) -> int:
+        return self.warmup_steps if self.warmup_steps is not None else min(100, self.decay_steps // 10)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -141,11 +147,11 @@ class TrainResult:
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup to `lr` over warmup_steps, then cosine decay to `min_lr` at decay_steps."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / (cfg.warmup + 1)
     if step >= cfg.decay_steps:
         return cfg.min_lr
-    progress = (step - cfg.warmup_steps) / (cfg.decay_steps - cfg.warmup_steps)  # 0 -> 1
+    progress = (step - cfg.warmup) / (cfg.decay_steps - cfg.warmup)  # 0 -> 1
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 
