@@ -246,3 +246,14 @@ def test_ddp_two_processes_equal_one_process_on_the_combined_batch(corpus, tmp_p
     ddp_model, one_model = load_pretrained(tmp_path / "ddp" / "last"), load_pretrained(tmp_path / "one" / "last")
     for name, tensor in one_model.state_dict().items():
         torch.testing.assert_close(ddp_model.state_dict()[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_bpe_run_saves_tokenizer_json_and_matches_vocab(corpus, tmp_path):
+    out = tmp_path / "bpe"
+    args = ["train", "--data", str(corpus), "--preset", "tiny", "--set", "max_seq_len=16", "--set", "eval_batches=1",
+            "--set", "progress=false", "--set", "num_samples=1", "--set", "sample_tokens=4", "--max-steps", "2",
+            "--eval-interval", "2", "--tokenizer", "bpe", "--vocab-size", "300", "--out", str(out)]
+    assert main(args) == 0
+    tokenizer = load_tokenizer(out / "best")
+    assert (out / "best" / "tokenizer.json").is_file() and tokenizer.kind == "bpe"
+    assert load_pretrained(out / "best").config.vocab_size == tokenizer.vocab_size <= 300
