@@ -25,14 +25,7 @@ from tqdm.auto import tqdm
 from .config import TransformerConfig, _check_choice, _check_positive_int
 from .data import get_batch, load_text, split_tokens
 from .tokenizer import build_tokenizer
-from .train_io import (
-    TrainingDiverged,
-    find_checkpoint,
-    load_train_state,
-    plot_losses,
-    sample_text,
-    save_checkpoint,
-)
+from .train_io import TrainingDiverged, find_checkpoint, finish_run, load_train_state, save_checkpoint
 from .transformer import TransformerLM
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -314,6 +307,10 @@ def _train(cfg, model_cfg, resume, rank, world_size, device) -> TrainResult:
             save_checkpoint(out_dir / "best", raw_model, tokenizer, checkpoint_state())
         save_checkpoint(out_dir / "last", raw_model, tokenizer, checkpoint_state())
 
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = get_batch(train_data, cfg.batch_size, block_size, generator, rank=rank, world_size=world_size)
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (B, T), (B, T)
+
     step_times = []
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not (cfg.progress and master), desc="train")
     model.train()
@@ -322,22 +319,7 @@ def _train(cfg, model_cfg, resume, rank, world_size, device) -> TrainResult:
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(cfg.grad_accum_steps):
-            x, y = get_batch(train_data, cfg.batch_size, block_size, generator, rank=rank, world_size=world_size)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            last_micro = micro == cfg.grad_accum_steps - 1
-            sync = model.no_sync() if world_size > 1 and not last_micro else contextlib.nullcontext()
-            with sync:
-                with amp():
-                    _, loss = model(x, y)
-                loss = loss / cfg.grad_accum_steps  # the update uses the MEAN over all micro-batches
-                scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-        if world_size > 1:  # the mean loss over ranks: the same number everywhere, so all stop together
-            dist.all_reduce(loss_sum)
-            loss_sum /= world_size
-        loss_value = loss_sum.item()
+        loss_value = _forward_backward(model, next_batch, cfg, amp, scaler, world_size)
         if not math.isfinite(loss_value):  # checked BEFORE the update: the weights are still good
             bar.close()
             kept = out_dir / "last"
@@ -346,12 +328,7 @@ def _train(cfg, model_cfg, resume, rank, world_size, device) -> TrainResult:
                 f"weights. The last good checkpoint is {kept if kept.exists() else 'not written yet'}; "
                 f"try a lower lr, a smaller grad_clip or precision=fp32"
             )
-        if cfg.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        _update(model, optimizer, scaler, cfg.grad_clip)
         step += 1
         losses.append(loss_value)
         step_times.append(time.perf_counter() - started)
@@ -362,19 +339,34 @@ def _train(cfg, model_cfg, resume, rank, world_size, device) -> TrainResult:
             evaluate_and_save()
     bar.close()
     if master:
-        _finish(cfg, raw_model, tokenizer, text, losses, evals, out_dir, device)
+        finish_run(cfg, raw_model, tokenizer, text, losses, evals, out_dir, device)
     return TrainResult(raw_model, tokenizer, step, best_val, losses, evals, step_times, tokens_per_step, str(out_dir))
 
 
-def _finish(cfg, model, tokenizer, text, losses, evals, out_dir: Path, device) -> None:
-    """The loss-curve PNG and a few samples, written next to the checkpoints."""
-    plot_losses(losses, evals, out_dir / "loss.png")
-    if cfg.num_samples == 0:
-        return
-    prompt = "\n" if "\n" in text else text[0]
-    generator = torch.Generator().manual_seed(cfg.seed)
-    samples = [sample_text(model, tokenizer, prompt, cfg.sample_tokens, generator=generator, device=device)
-               for _ in range(cfg.num_samples)]
-    (out_dir / "samples.txt").write_text("\n\n-----\n\n".join(samples), encoding="utf-8")
-    if cfg.progress:
-        print("\n-----\n".join(samples))
+def _forward_backward(model, next_batch, cfg: TrainConfig, amp, scaler, world_size: int) -> float:
+    """Gradients of grad_accum_steps micro-batches, summed into .grad; -> their mean loss (over ranks too)."""
+    loss_sum = 0.0
+    for micro in range(cfg.grad_accum_steps):
+        x, y = next_batch()
+        last_micro = micro == cfg.grad_accum_steps - 1
+        sync = model.no_sync() if world_size > 1 and not last_micro else contextlib.nullcontext()
+        with sync:  # DDP averages gradients across ranks only on the last micro-batch
+            with amp():
+                _, loss = model(x, y)
+            loss = loss / cfg.grad_accum_steps  # the update uses the MEAN over all micro-batches
+            scaler.scale(loss).backward()
+        loss_sum = loss_sum + loss.detach()
+    if world_size > 1:  # the mean loss over ranks: the same number everywhere, so all ranks stop together
+        dist.all_reduce(loss_sum)
+        loss_sum = loss_sum / world_size
+    return loss_sum.item()
+
+
+def _update(model, optimizer, scaler, grad_clip: float) -> None:
+    """Clip the global gradient norm, take the AdamW step, clear the gradients."""
+    if grad_clip > 0:
+        scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)

@@ -103,3 +103,17 @@ def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, *, temperatu
         ids = torch.cat([ids, next_id[None]], dim=1)  # (1, T + 1)
     model.train(was_training)
     return tokenizer.decode(ids[0].tolist())
+
+
+def finish_run(cfg, model, tokenizer, text: str, losses, evals, out_dir: Path, device) -> None:
+    """The loss-curve PNG and a few samples, written next to the checkpoints."""
+    plot_losses(losses, evals, out_dir / "loss.png")
+    if cfg.num_samples == 0:
+        return
+    prompt = "\n" if "\n" in text else text[0]
+    generator = torch.Generator().manual_seed(cfg.seed)
+    samples = [sample_text(model, tokenizer, prompt, cfg.sample_tokens, generator=generator, device=device)
+               for _ in range(cfg.num_samples)]
+    (out_dir / "samples.txt").write_text("\n\n-----\n\n".join(samples), encoding="utf-8")
+    if cfg.progress:
+        print("\n-----\n".join(samples))
