@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
+from pathlib import Path
 
 from .config import PRESETS, TransformerConfig
 
@@ -139,6 +142,96 @@ def _run_sample(args) -> None:
     sys.stdout.write("\n")
 
 
+# ---------------------------------------------------------------------------------------- train
+_TRAIN_FLAGS = {  # flag -> (TrainConfig field, type, help)
+    "--tokenizer": ("tokenizer", str, "char (default) or bpe"),
+    "--vocab-size": ("bpe_vocab_size", int, "BPE vocabulary size (with --tokenizer bpe)"),
+    "--batch-size": ("batch_size", int, "sequences per micro-batch and rank"),
+    "--block-size": ("block_size", int, "tokens per sequence (default: the model's max_seq_len)"),
+    "--grad-accum-steps": ("grad_accum_steps", int, "micro-batches per optimizer step"),
+    "--lr": ("lr", float, "peak learning rate"),
+    "--min-lr": ("min_lr", float, "learning rate at the end of the cosine"),
+    "--warmup-steps": ("warmup_steps", int, "linear warmup steps"),
+    "--weight-decay": ("weight_decay", float, "AdamW weight decay on >= 2-D weights"),
+    "--grad-clip": ("grad_clip", float, "max gradient norm (0 = off)"),
+    "--eval-interval": ("eval_interval", int, "steps between evaluations and checkpoints"),
+    "--eval-batches": ("eval_batches", int, "batches per evaluation"),
+    "--device": ("device", str, "auto | cpu | cuda | cuda:N | mps"),
+    "--precision": ("precision", str, "auto | fp32 | bf16 | fp16 (autocast)"),
+    "--seed": ("seed", int, "random seed"),
+}
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="train a model on text (tiny shakespeare by default), then sample from it")
+    p.add_argument("--data", help="shakespeare | pydoc | PATH (default: shakespeare, or pydoc when offline)")
+    p.add_argument("--preset", default="shakespeare-char", choices=sorted(PRESETS))
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a model or training config field, e.g. --set pos_emb=rope --set min_lr=3e-4")
+    p.add_argument("--max-steps", type=int, help="optimizer steps to train (default 2000)")
+    p.add_argument("--out", help="run directory (default out/<preset>); checkpoints go to OUT/best and OUT/last")
+    p.add_argument("--resume", metavar="DIR", help="continue a run from its directory or a checkpoint directory")
+    p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
+    for flag, (_, kind, help_text) in _TRAIN_FLAGS.items():
+        p.add_argument(flag, type=kind, help=help_text)
+    p.set_defaults(func=_run_train)
+
+
+def train_configs_from_args(args):
+    """-> (TrainConfig, model config or overrides). --set keys go to whichever config has that field."""
+    from .train import TrainConfig
+
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    model_fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    model_set, train_set = {}, {}
+    for key, value in parse_overrides(args.set).items():
+        if key in model_fields:
+            model_set[key] = value
+        elif key in train_fields:
+            train_set[key] = value
+        else:
+            raise ValueError(f"--set {key}=... is not a model or training field; expected one of "
+                             f"{sorted(model_fields | train_fields)}")
+    given = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in _TRAIN_FLAGS.items()}
+    given.update(data=args.data, max_steps=args.max_steps, compile=args.compile, out_dir=args.out)
+    given = {**{k: v for k, v in given.items() if v is not None}, **train_set}
+    if args.resume:  # the run continues with its saved settings; what is given here overrides them
+        from .train_io import find_checkpoint, load_train_state
+
+        checkpoint = find_checkpoint(args.resume)
+        saved = load_train_state(checkpoint)["train_config"]
+        given.setdefault("out_dir", str(checkpoint.parent))  # keep writing next to the checkpoint resumed from
+        return TrainConfig.from_dict({**saved, **given}), model_set
+    given.setdefault("out_dir", str(Path("out") / args.preset))
+    if "vocab_size" in model_set:
+        raise ValueError("--set vocab_size is not allowed for train: the vocabulary comes from the tokenizer "
+                         "(use --tokenizer bpe --vocab-size N)")
+    return TrainConfig.from_dict(given), TransformerConfig.from_preset(args.preset, **model_set)
+
+
+def _run_train(args) -> None:
+    from .data import DatasetUnavailable
+    from .train import TrainingDiverged, train
+
+    train_cfg, model_cfg = train_configs_from_args(args)
+    try:
+        result = train(train_cfg, model_cfg, resume=args.resume)
+    except (TrainingDiverged, DatasetUnavailable) as err:
+        raise SystemExit(f"mini-transformer train: {err}") from None
+    if int(os.environ.get("RANK", "0")) == 0:
+        best = Path(result.out_dir) / "best"
+        print(f"best val loss {result.best_val_loss:.4f}; loss curve {Path(result.out_dir) / 'loss.png'}")
+        prompt = next(p for p in ("ROMEO:", "The ", result.tokenizer.decode([0])) if _encodes(result.tokenizer, p))
+        print(f"sample from it: mini-transformer sample --checkpoint {best} --prompt {prompt!r}")
+
+
+def _encodes(tokenizer, text: str) -> bool:
+    try:
+        return bool(tokenizer.encode(text))
+    except ValueError:
+        return False
+
+
 # ----------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -148,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_info(sub)
     _add_trace(sub)
     _add_sample(sub)
+    _add_train(sub)
     return parser
 
 

@@ -4,6 +4,7 @@ trained with the Hugging Face `tokenizers` library. Both save to and load from a
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 CHAR_VOCAB_FILE = "vocab.json"
@@ -16,8 +17,14 @@ class CharTokenizer:
     kind = "char"
 
     def __init__(self, chars: list[str]):
-        if len(set(chars)) != len(chars) or any(len(c) != 1 for c in chars):
-            raise ValueError("chars must be distinct single characters")
+        if not chars:
+            raise ValueError("chars is empty; a character vocabulary needs at least one character")
+        bad = [c for c in chars if not isinstance(c, str) or len(c) != 1]
+        if bad:
+            raise ValueError(f"chars must be single characters, got {bad[:5]!r}")
+        repeated = sorted(c for c, n in Counter(chars).items() if n > 1)
+        if repeated:
+            raise ValueError(f"chars must be distinct, got repeats of {repeated!r}")
         self.chars = list(chars)
         self.stoi = {c: i for i, c in enumerate(self.chars)}
         self.eos_token_id = None
@@ -35,11 +42,18 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         unknown = sorted({c for c in text if c not in self.stoi})
         if unknown:
-            raise ValueError(f"text contains characters not in the vocabulary: {unknown!r}")
+            raise ValueError(
+                f"text contains characters not in the vocabulary: {unknown!r} "
+                f"(the vocabulary holds the {self.vocab_size} characters of the training text)"
+            )
         return [self.stoi[c] for c in text]
 
     def decode(self, ids) -> str:
-        return "".join(self.chars[int(i)] for i in ids)
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return "".join(self.chars[i] for i in ids)
 
     def save(self, path: str | Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -60,6 +74,8 @@ class BPETokenizer:
     def train(cls, text: str, vocab_size: int) -> BPETokenizer:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+            raise TypeError(f"vocab_size={vocab_size!r} must be an int")
         if vocab_size < 257:
             raise ValueError(f"vocab_size={vocab_size} must be at least 257 (256 bytes + 1 special token)")
         tok = Tokenizer(models.BPE())
@@ -82,7 +98,11 @@ class BPETokenizer:
         return self.tokenizer.encode(text).ids
 
     def decode(self, ids) -> str:
-        return self.tokenizer.decode([int(i) for i in ids])
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def save(self, path: str | Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
