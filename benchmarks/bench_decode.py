@@ -5,7 +5,8 @@ One model, three ways to generate greedily from the same prompt:
   no-cache  our generate(use_cache=False): the whole sequence again every step (O(T^2) per token)
   hf        transformers' GPT2LMHeadModel.generate(do_sample=False) on the IDENTICAL weights (imported)
 
-Default: GPT-2 architecture, 6 layers, 6 heads, d_model 384, vocab 50257; prompt 16 tokens, batch 1, CPU.
+Default: GPT-2 architecture, 6 layers, 6 heads, d_model 384, and nanoGPT's 65-character vocabulary
+(--vocab-size 50257 for GPT-2's); prompt 16 tokens, batch 1, CPU, all cores.
 
     python benchmarks/bench_decode.py                      # 64/128/256/512 new tokens, medians of 3 runs
     python benchmarks/bench_decode.py --lengths 32 64 --repeats 1 --plot decode.png
@@ -14,6 +15,7 @@ Default: GPT-2 architecture, 6 layers, 6 heads, d_model 384, vocab 50257; prompt
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -39,7 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="timed runs per (method, length); the median is shown")
     p.add_argument("--no-cache-repeats", type=int, default=None,
                    help="timed runs for the slow no-cache path (default: --repeats)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 keeps ratios stable)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="torch CPU threads, the same for every method (default: all cores; 1 on a busy machine)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
                    help="which ways to generate (cache is always run: the others are compared with it)")

@@ -15,6 +15,11 @@ from .layers import make_ffn, make_norm
 from .rope import RotaryEmbedding, apply_rope, sinusoidal_table
 
 
+def dropout(p: float) -> nn.Module:
+    """nn.Dropout, or a plain pass-through when p == 0 (saves a call per use when decoding)."""
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
 class Attend(nn.Module):
     """softmax(q k^T / sqrt(D)) v through the configured backend. No parameters: it exists so that
     hooks (and `mini-transformer trace`) can see q, k, v and the output of every layer."""
@@ -72,7 +77,7 @@ class TransformerBlock(nn.Module):
         self.attn = MultiHeadAttention(cfg, layer_idx)
         self.norm_2 = make_norm(cfg)
         self.ffn = make_ffn(cfg)
-        self.resid_drop = nn.Dropout(cfg.resid_pdrop)
+        self.resid_drop = dropout(cfg.resid_pdrop)
 
     def forward(self, x, **attn_kwargs):
         if self.pre_norm:  # x + f(norm(x)): the residual stream itself is never normalised
@@ -95,7 +100,7 @@ class TransformerLM(nn.Module):
         if cfg.pos_emb == "sinusoidal":
             self.register_buffer("sinusoid", sinusoidal_table(cfg.max_seq_len, cfg.d_model), persistent=False)
         self.rope = RotaryEmbedding(cfg.d_head, cfg.max_seq_len, cfg.rope_theta) if cfg.pos_emb == "rope" else None
-        self.emb_drop = nn.Dropout(cfg.embd_pdrop)
+        self.emb_drop = dropout(cfg.embd_pdrop)
         self.blocks = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layer))
         self.norm_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
