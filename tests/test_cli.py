@@ -72,3 +72,15 @@ def test_bad_values_exit_2_with_a_message(capsys):
     assert "d_model=100" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["info", "--preset", "gpt5"])
+
+
+def test_bench_runs_the_script_with_its_arguments(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "decode", "--help"])
+    assert done.value.code == 0
+    assert "--lengths" in capsys.readouterr().out  # the decode script's own options
+
+
+def test_bench_rejects_unknown_names():
+    with pytest.raises(SystemExit):
+        main(["bench", "nothing"])

@@ -1,4 +1,4 @@
-"""`mini-transformer info | trace | train | sample`: the command line."""
+"""`mini-transformer train | sample | bench | trace | info`: the command line."""
 
 from __future__ import annotations
 
@@ -232,6 +232,28 @@ def _encodes(tokenizer, text: str) -> bool:
         return False
 
 
+# ---------------------------------------------------------------------------------------- bench
+BENCHMARKS = ("decode", "attention", "train")
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="run a script of benchmarks/ (from a clone of the repository)")
+    p.add_argument("name", choices=BENCHMARKS, help="decode | attention | train")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="passed on to the script (see its --help)")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args) -> None:
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / f"bench_{args.name}.py"
+    if not script.is_file():
+        raise ValueError(f"no benchmark script at {script}: `bench` runs from a clone of the repository")
+    sys.argv = [str(script), *args.script_args]
+    runpy.run_path(str(script), run_name="__main__")
+
+
 # ----------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -242,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace(sub)
     _add_sample(sub)
     _add_train(sub)
+    _add_bench(sub)
     return parser
 
 
