@@ -7,6 +7,7 @@ import torch
 
 from mini_transformer import TransformerConfig, TransformerLM, generate
 from mini_transformer.cli import _TextStream, main
+from mini_transformer.generate import generate_long
 from mini_transformer.tokenizer import BPETokenizer, CharTokenizer
 
 TEXT = "the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs!"
@@ -61,10 +62,10 @@ def test_no_cache_prints_the_same_text(char_checkpoint, capsys):
     assert capsys.readouterr().out != cached
 
 
-def test_default_length_fills_the_context(char_checkpoint, capsys):
+def test_default_length_is_200_tokens_past_the_context(char_checkpoint, capsys):
     path = str(char_checkpoint[0])
     assert main(["sample", "--checkpoint", path, "--prompt", "dog", "--temperature", "0"]) == 0
-    assert len(capsys.readouterr().out) == 48 + 1  # max_seq_len characters and the newline
+    assert len(capsys.readouterr().out) == len("dog") + 200 + 1  # prompt, 200 new characters, newline
 
 
 def test_hugging_face_directory_with_tokenizer_json(hf_checkpoint, capsys):
@@ -80,7 +81,7 @@ def test_hugging_face_directory_with_tokenizer_json(hf_checkpoint, capsys):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--max-new-tokens", "100"], "exceeds max_seq_len=48"),
+        (["--max-new-tokens", "0"], "max_new_tokens=0"),
         (["--temperature", "-1"], "temperature=-1.0"),
         (["--top-p", "0"], "top_p=0.0"),
     ],
@@ -112,3 +113,14 @@ def test_text_stream_waits_for_a_whole_character():
         writes.append(out.getvalue())
     stream.flush()
     assert writes == ["> a", "> a", "> aé"]  # the first byte of é alone prints nothing
+
+
+def test_sampling_past_the_context_slides_the_window(char_checkpoint, capsys):
+    path, model, tokenizer = char_checkpoint
+    assert model.config.max_seq_len == 48
+    assert main(["sample", "--checkpoint", str(path), "--prompt", "fox", "--max-new-tokens", "100",
+                 "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert len(out) == len("fox") + 100 + 1
+    expected = generate_long(model, torch.tensor([tokenizer.encode("fox")]), 100)
+    assert out == "fox" + tokenizer.decode(expected[0].tolist()) + "\n"

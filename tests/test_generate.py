@@ -210,3 +210,30 @@ def test_repetition_penalty_matches_hugging_face_generate(hf_pair):
     idx = torch.randint(1, VOCAB, (2, 6))
     expected = hf_greedy(hf, idx, torch.ones_like(idx), 15, repetition_penalty=1.5)
     assert torch.equal(generate(ours, idx, 15, repetition_penalty=1.5), expected)
+
+
+def test_generate_long_slides_the_window_past_the_context():
+    from mini_transformer.generate import generate_long
+
+    model = TransformerLM(TransformerConfig.from_preset("tiny", max_seq_len=16)).eval()
+    idx = torch.randint(0, 100, (2, 5))
+    new = generate_long(model, idx, 30)  # greedy
+    assert new.shape == (2, 30)
+    assert torch.equal(new[:, :11], generate(model, idx, 11))  # the first chunk fills the context
+    window = torch.cat([idx, new[:, :11]], dim=1)[:, -8:]  # then half the context is kept and re-prefilled
+    assert torch.equal(new[:, 11:19], generate(model, window, 8))
+    fits = generate_long(model, idx, 6)
+    assert torch.equal(fits, generate(model, idx, 6))
+
+
+def test_generate_long_rejects_bad_arguments():
+    from mini_transformer.generate import generate_long
+
+    model = TransformerLM(TransformerConfig.from_preset("tiny", max_seq_len=16)).eval()
+    idx = torch.randint(0, 100, (1, 5))
+    with pytest.raises(ValueError, match="keep_tokens=16"):
+        generate_long(model, idx, 4, keep_tokens=16)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        generate_long(model, idx, 0)
+    with pytest.raises(ValueError, match="attention_mask"):
+        generate_long(model, idx, 4, attention_mask=torch.ones(1, 5))

@@ -75,8 +75,8 @@ def _add_sample(sub) -> None:
     p = sub.add_parser("sample", help="continue a prompt with a trained checkpoint, streaming the text")
     p.add_argument("--checkpoint", required=True, help="our checkpoint dir or a Hugging Face GPT-2/Llama dir")
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="tokens to generate (default: 200, or what still fits in max_seq_len)")
+    p.add_argument("--max-new-tokens", type=int, default=200,
+                   help="tokens to generate; past the model's context the window slides")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -116,7 +116,7 @@ class _TextStream:
 def _run_sample(args) -> None:
     import torch
 
-    from .generate import generate
+    from .generate import generate_long
     from .tokenizer import load_tokenizer
     from .transformer import TransformerLM
 
@@ -125,15 +125,10 @@ def _run_sample(args) -> None:
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
         raise ValueError("--prompt is empty; give at least one character of text to continue")
-    room = model.config.max_seq_len - len(prompt_ids)
-    max_new_tokens = min(200, room) if args.max_new_tokens is None else args.max_new_tokens
-    if max_new_tokens < 1:
-        raise ValueError(f"the prompt has {len(prompt_ids)} tokens: no room left in max_seq_len="
-                         f"{model.config.max_seq_len}")
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=args.device)  # (1, T)
     stream = _TextStream(tokenizer, sys.stdout, args.prompt)
-    generate(
-        model, idx, max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+    generate_long(  # past max_seq_len it slides the context window (re-prefilling its second half)
+        model, idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, eos_token_id=tokenizer.eos_token_id,
         use_cache=not args.no_cache, generator=torch.Generator(device=args.device).manual_seed(args.seed),
         stream=stream,

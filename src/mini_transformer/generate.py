@@ -143,3 +143,42 @@ def generate(
     if eos_token_id is not None:  # rows stopped early: fill what was never generated with EOS
         new_ids[:, step + 1:] = eos_token_id
     return new_ids.clone()
+
+
+def generate_long(
+    model: TransformerLM,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    keep_tokens: int | None = None,
+    eos_token_id: int | None = None,
+    stream: Callable[[torch.Tensor], None] | None = None,
+    **sampling,
+) -> torch.Tensor:
+    """Continue one unpadded batch past the model's context length. Returns the new ids (B, <= max_new_tokens).
+
+    Generation runs in chunks: fill the context with `generate` (KV cache), then keep only the last
+    `keep_tokens` tokens (default: half the context), prefill them into a fresh cache, and go on.
+    Each token therefore sees between keep_tokens and max_seq_len tokens of history. `sampling` takes
+    the keyword arguments of `generate` (temperature, top_k, top_p, min_p, repetition_penalty, generator).
+    """
+    context = model.config.max_seq_len
+    keep_tokens = context // 2 if keep_tokens is None else keep_tokens
+    if isinstance(keep_tokens, bool) or not isinstance(keep_tokens, int) or not 1 <= keep_tokens < context:
+        raise ValueError(f"keep_tokens={keep_tokens!r} must be an integer in [1, max_seq_len={context})")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+    if "attention_mask" in sampling:
+        raise ValueError("generate_long takes unpadded prompts only (no attention_mask); generate one row at a time")
+    window = idx[:, -context + 1:] if idx.shape[1] >= context else idx  # at least one slot left to generate
+    chunks: list[torch.Tensor] = []
+    produced = 0
+    while produced < max_new_tokens:
+        n = min(max_new_tokens - produced, context - window.shape[1])
+        new = generate(model, window, n, eos_token_id=eos_token_id, stream=stream, **sampling)  # (B, n)
+        chunks.append(new)
+        produced += n
+        if eos_token_id is not None and bool((new == eos_token_id).any(dim=-1).all()):
+            break  # every row has stopped
+        window = torch.cat([window, new], dim=1)[:, -keep_tokens:]  # (B, keep_tokens)
+    return torch.cat(chunks, dim=1)

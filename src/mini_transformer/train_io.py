@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from .checkpoint import CONFIG_NAME, WEIGHTS_NAME, save_pretrained
 
@@ -91,18 +90,12 @@ def plot_losses(losses: list[float], evals: list[list[float]], path: str | Path)
 @torch.no_grad()
 def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, *, temperature: float = 0.8,
                 generator: torch.Generator | None = None, device="cpu") -> str:
-    """A small sampling loop (no KV cache): feed the last max_seq_len tokens, sample the next one."""
-    was_training = model.training
-    model.eval()
+    """Sample a continuation with the KV cache; past the model's context the window slides (generate_long)."""
+    from .generate import generate_long
+
     ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)  # (1, T)
-    window = model.config.max_seq_len
-    for _ in range(max_new_tokens):
-        logits, _ = model(ids[:, -window:])  # (1, T, V)
-        probs = F.softmax(logits[0, -1].float() / temperature, dim=-1).cpu()  # (V,)
-        next_id = torch.multinomial(probs, 1, generator=generator).to(device)  # (1,)
-        ids = torch.cat([ids, next_id[None]], dim=1)  # (1, T + 1)
-    model.train(was_training)
-    return tokenizer.decode(ids[0].tolist())
+    new = generate_long(model, ids, max_new_tokens, temperature=temperature, generator=generator)  # (1, N)
+    return prompt + tokenizer.decode(new[0].tolist())
 
 
 def finish_run(cfg, model, tokenizer, text: str, losses, evals, out_dir: Path, device) -> None:
@@ -111,7 +104,7 @@ def finish_run(cfg, model, tokenizer, text: str, losses, evals, out_dir: Path, d
     if cfg.num_samples == 0:
         return
     prompt = "\n" if "\n" in text else text[0]
-    generator = torch.Generator().manual_seed(cfg.seed)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
     samples = [sample_text(model, tokenizer, prompt, cfg.sample_tokens, generator=generator, device=device)
                for _ in range(cfg.num_samples)]
     (out_dir / "samples.txt").write_text("\n\n-----\n\n".join(samples), encoding="utf-8")
