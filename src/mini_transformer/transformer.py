@@ -181,27 +181,32 @@ class TransformerLM(nn.Module):
             )
         if cache is not None:
             cache.check_fits(cfg, B, T, self.tok_emb.weight.dtype)
-        low, high = int(idx.min()), int(idx.max())
-        if low < 0 or high >= cfg.vocab_size:
-            bad = low if low < 0 else high
-            raise ValueError(f"idx contains token id {bad}, outside [0, vocab_size={cfg.vocab_size})")
         for name, t in (("attention_mask", attention_mask), ("position_ids", position_ids), ("targets", targets)):
             if t is None:
                 continue
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, T):
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{name} has shape {shape}, expected (B, T) = {(B, T)} like idx")
+        if targets is not None and targets.is_floating_point():
+            raise ValueError(f"targets must be an integer tensor, got dtype {targets.dtype}")
+        if position_ids is not None and position_ids.is_floating_point():
+            raise ValueError(f"position_ids must be an integer tensor, got dtype {position_ids.dtype}")
+        if not torch.compiler.is_compiling():  # reading values syncs and would split a compiled graph
+            self._check_values(idx, targets, position_ids)
+        return B, T
+
+    def _check_values(self, idx, targets, position_ids) -> None:
+        cfg = self.config
+        low, high = int(idx.min()), int(idx.max())
+        if low < 0 or high >= cfg.vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"idx contains token id {bad}, outside [0, vocab_size={cfg.vocab_size})")
         if targets is not None:
-            if targets.is_floating_point():
-                raise ValueError(f"targets must be an integer tensor, got dtype {targets.dtype}")
             bad = (targets != -100) & ((targets < 0) | (targets >= cfg.vocab_size))
             if bool(bad.any()):
                 raise ValueError(f"targets contain id {int(targets[bad][0])}, expected [0, {cfg.vocab_size}) or -100")
-        if position_ids is not None:
-            if position_ids.is_floating_point() or not 0 <= int(position_ids.min()) <= int(position_ids.max()) \
-                    < cfg.max_seq_len:
-                raise ValueError(f"position_ids must be integers in [0, max_seq_len={cfg.max_seq_len})")
-        return B, T
+        if position_ids is not None and not 0 <= int(position_ids.min()) <= int(position_ids.max()) < cfg.max_seq_len:
+            raise ValueError(f"position_ids must be integers in [0, max_seq_len={cfg.max_seq_len})")
 
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> TransformerLM:
