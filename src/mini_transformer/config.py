@@ -40,8 +40,23 @@ def _check_probability(field: str, value: object) -> None:
         raise ValueError(f"{field}={value} must be a probability in [0, 1)")
 
 
+class DictIO:
+    """to_dict / from_dict for a config dataclass; unknown names are an error, not silently dropped."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__} has unknown fields {unknown}; expected names among {sorted(known)}")
+        return cls(**values)
+
+
 @dataclass
-class TransformerConfig:
+class TransformerConfig(DictIO):
     """Sizes and switches of a decoder-only Transformer.
 
     Defaults are GPT-2 small's sizes. `d_ff=None` means 4*d_model (or Llama's 8/3 rule for SwiGLU);
@@ -113,17 +128,6 @@ class TransformerConfig:
     @property
     def d_head(self) -> int:
         return self.d_model // self.n_heads
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict) -> TransformerConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"config has unknown fields {unknown}; expected names among {sorted(known)}")
-        return cls(**values)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> TransformerConfig:

@@ -18,7 +18,7 @@ import torch
 
 from .kv_cache import KVCache
 from .sampling import check_sampling_args, sample_next
-from .transformer import TransformerLM
+from .transformer import TransformerLM, check_token_ids
 
 
 def prefill(model: TransformerLM, idx: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None):
@@ -37,12 +37,7 @@ def _check_generate_args(model, idx, max_new_tokens, attention_mask, eos_token_i
     if not isinstance(model, TransformerLM):
         raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
     cfg = model.config
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.is_floating_point() or idx.dtype == torch.bool:
-        shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
-        raise ValueError(f"idx must be a 2-D integer tensor (B, T) of prompt ids, got {shape}")
-    B, T = idx.shape
-    if B == 0 or T == 0:
-        raise ValueError(f"idx has shape {(B, T)}; expected at least one row and one prompt token")
+    B, T = check_token_ids(idx)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
     if T + max_new_tokens > cfg.max_seq_len:

@@ -11,7 +11,6 @@ each a complete checkpoint: model.safetensors, config.json, the tokenizer and tr
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import time
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from .config import TransformerConfig, _check_choice, _check_positive_int
+from .config import DictIO, TransformerConfig, _check_choice, _check_positive_int
 from .data import get_batch, load_text, split_tokens
 from .tokenizer import build_tokenizer
 from .train_io import TrainingDiverged, find_checkpoint, finish_run, load_train_state, save_checkpoint
@@ -35,7 +34,7 @@ __all__ = ["TrainConfig", "TrainResult", "TrainingDiverged", "lr_at", "make_opti
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(DictIO):
     """Everything about HOW to train (the model's shape lives in TransformerConfig).
 
     Defaults reproduce nanoGPT's CPU "baby" Shakespeare run.
@@ -112,17 +111,6 @@ class TrainConfig:
     @property
     def warmup(self) -> int:
         return self.warmup_steps if self.warmup_steps is not None else min(100, self.decay_steps // 10)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"train config has unknown fields {unknown}; expected names among {sorted(known)}")
-        return cls(**values)
 
 
 @dataclass

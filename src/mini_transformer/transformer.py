@@ -20,6 +20,19 @@ def dropout(p: float) -> nn.Module:
     return nn.Dropout(p) if p > 0 else nn.Identity()
 
 
+def check_token_ids(idx) -> tuple[int, int]:
+    """idx must be a non-empty 2-D integer tensor (B, T); returns (B, T). Values are checked by the model."""
+    is_int = isinstance(idx, torch.Tensor) and not idx.is_floating_point() and idx.dtype != torch.bool
+    if not is_int or idx.dim() != 2:
+        shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+        dtype = getattr(idx, "dtype", None)
+        raise ValueError(f"idx must be a 2-D integer tensor (B, T), got {shape} of dtype {dtype}")
+    B, T = idx.shape
+    if B == 0 or T == 0:
+        raise ValueError(f"idx has shape {(B, T)} (B={B}, T={T}); expected at least one row and one token")
+    return B, T
+
+
 class Attend(nn.Module):
     """softmax(q k^T / sqrt(D)) v through the configured backend. No parameters: it exists so that
     hooks (and `mini-transformer trace`) can see q, k, v and the output of every layer."""
@@ -166,14 +179,7 @@ class TransformerLM(nn.Module):
 
     def _check_inputs(self, idx, targets, attention_mask, position_ids, cache) -> tuple[int, int]:
         cfg = self.config
-        is_int = isinstance(idx, torch.Tensor) and not idx.is_floating_point() and idx.dtype != torch.bool
-        if not is_int or idx.dim() != 2:
-            shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
-            dtype = getattr(idx, "dtype", None)
-            raise ValueError(f"idx must be a 2-D integer tensor (B, T), got {shape} of dtype {dtype}")
-        B, T = idx.shape
-        if T == 0:
-            raise ValueError("idx has T=0 tokens; expected at least one")
+        B, T = check_token_ids(idx)
         past = cache.length if cache is not None else 0
         if past + T > cfg.max_seq_len:
             raise ValueError(
