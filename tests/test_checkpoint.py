@@ -235,7 +235,7 @@ def test_own_round_trip(tmp_path, preset):
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
     ids = torch.randint(0, model.config.vocab_size, (2, 10))
-    torch.testing.assert_close(loaded(ids)[0], model(ids)[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(loaded(ids)[0], model(ids)[0], rtol=1e-5, atol=1e-5)  # naive vs sdpa in fp32
 
 
 def test_own_config_has_model_type(tmp_path):

@@ -1,7 +1,9 @@
+import math
+
 import pytest
 
 from mini_transformer import TransformerConfig
-from mini_transformer.config import PRESETS, llama_ffn_size
+from mini_transformer.config import PRESETS, llama_ffn_size, small_init_std
 
 
 def test_defaults_and_d_head():
@@ -18,6 +20,14 @@ def test_swiglu_uses_llama_sizing():
 
 def test_explicit_d_ff_wins():
     assert TransformerConfig(d_model=64, n_heads=4, d_ff=100, ffn="swiglu").d_ff == 100
+
+
+def test_init_std_defaults_to_the_width_rule():
+    assert small_init_std(128) == pytest.approx(math.sqrt(2 / 640))
+    assert small_init_std(768) == pytest.approx(0.0228, abs=1e-4)  # GPT-2's width: close to its fixed 0.02
+    assert TransformerConfig(d_model=128, n_heads=4).init_std == small_init_std(128)
+    assert TransformerConfig(d_model=128, n_heads=4, init_std=0.02).init_std == 0.02  # an explicit value wins
+    assert TransformerConfig.from_preset("gpt2-small").init_std == 0.02  # GPT-2's own value
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -57,6 +67,7 @@ def test_preset_overrides():
         (dict(n_kv_heads=0), ["n_kv_heads=0"]),
         (dict(rope_theta=0.0), ["rope_theta"]),
         (dict(norm_eps=-1.0), ["norm_eps"]),
+        (dict(init_std=0.0), ["init_std=0.0", "positive"]),
         (dict(d_model=36, n_heads=4, pos_emb="rope"), ["even d_head", "d_head=9"]),
     ],
 )

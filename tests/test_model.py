@@ -155,6 +155,23 @@ def test_state_dict_holds_parameters_only(pos_emb):
     assert not any("mask" in n or "cos" in n or "sin" in n for n in names)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_initial_weights_follow_init_std(variant):
+    """Matrices and embeddings ~ N(0, init_std); the projections that write into the residual stream are
+    scaled by 1/sqrt(2 * n_layer); biases start at 0 and norm gains at 1."""
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=512, d_model=128, n_heads=4, n_layer=2, max_seq_len=256, **variant)
+    model = TransformerLM(cfg)
+    residual_writers = ("W_o.weight", "fc2.weight", "w_down.weight")
+    for name, p in model.named_parameters():
+        if p.dim() < 2:
+            assert torch.all(p == (1.0 if "norm" in name and name.endswith("weight") else 0.0)), name
+            continue
+        expected = cfg.init_std / (2 * cfg.n_layer) ** 0.5 if name.endswith(residual_writers) else cfg.init_std
+        assert p.std().item() == pytest.approx(expected, rel=0.05), name
+        assert p.mean().abs().item() < 0.1 * expected, name
+
+
 def test_gpt2_small_has_gpt2_parameter_count():
     with torch.device("meta"):
         model = TransformerLM(TransformerConfig.from_preset("gpt2-small"))

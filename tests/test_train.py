@@ -47,6 +47,21 @@ def weights(model) -> dict:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def assert_same_weights(model, reference) -> None:
+    """Equal within fp32 tolerance, leaving out the key bias: softmax ignores a shift shared by a whole row
+    of scores, so its true gradient is exactly zero and it receives only rounding noise, which Adam
+    (dividing by sqrt(v)) turns into lr-sized steps that depend on the summation order."""
+    cfg = reference.config
+    q_rows, k_rows = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+    for name, tensor in reference.state_dict().items():
+        other = model.state_dict()[name]
+        if name.endswith("W_qkv.bias"):
+            keep = torch.ones(len(tensor), dtype=torch.bool)
+            keep[q_rows : q_rows + k_rows] = False
+            tensor, other = tensor[keep], other[keep]
+        torch.testing.assert_close(other, tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
 # ------------------------------------------------------------------------------ schedule, optimizer
 def test_lr_schedule_warmup_then_cosine_to_min_lr():
     cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
@@ -124,8 +139,7 @@ def test_text_too_short_for_the_block_is_a_clear_error(tmp_path):
 def test_gradient_accumulation_equals_the_bigger_batch(corpus, tmp_path):
     a = train(tiny_run(corpus, tmp_path / "a", max_steps=6, batch_size=2, grad_accum_steps=2), model_config())
     b = train(tiny_run(corpus, tmp_path / "b", max_steps=6, batch_size=4), model_config())
-    for name, tensor in a.model.state_dict().items():
-        torch.testing.assert_close(tensor, b.model.state_dict()[name], rtol=1e-5, atol=1e-6)
+    assert_same_weights(a.model, b.model)
     assert a.losses == pytest.approx(b.losses, rel=1e-5)
 
 
@@ -244,8 +258,7 @@ def test_ddp_two_processes_equal_one_process_on_the_combined_batch(corpus, tmp_p
     assert ddp["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert not math.isnan(ddp["best_val_loss"])
     ddp_model, one_model = load_pretrained(tmp_path / "ddp" / "last"), load_pretrained(tmp_path / "one" / "last")
-    for name, tensor in one_model.state_dict().items():
-        torch.testing.assert_close(ddp_model.state_dict()[name], tensor, rtol=1e-5, atol=1e-6)
+    assert_same_weights(ddp_model, one_model)
 
 
 def test_bpe_run_saves_tokenizer_json_and_matches_vocab(corpus, tmp_path):
