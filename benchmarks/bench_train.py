@@ -31,7 +31,8 @@ from mini_transformer import TransformerConfig, TransformerLM  # noqa: E402
 from mini_transformer.train import TrainConfig, train  # noqa: E402
 
 NANOGPT_VAL, NANOGPT_MS = 1.8857, 62.0  # nanoGPT's published baby run, measured on a 2-core machine
-TARGETS = {"gpt2": 1.88, "gpt2-init002": None, "modern": 1.80}
+# each model: (val loss target or None, plot colour)
+MODELS = {"gpt2": (1.88, "tab:blue"), "gpt2-init002": (None, "tab:grey"), "modern": (1.80, "tab:orange")}
 SPEED_TARGET_MS = NANOGPT_MS / 1.2  # 1.2x nanoGPT's speed: <= ~52 ms/step
 
 
@@ -105,7 +106,7 @@ def quality(args, vocab_size: int, work: Path) -> dict:
     print(f"\n{'model':<13} {'params':>9} {'val (20 b)':>10} {'val (all)':>10} {'target':>7} {'ok':>4} "
           f"{'ms/step':>8} {'tokens/s':>9} {'vs nanoGPT':>10}")
     for n, row in rows.items():
-        final, target = row["result"].evals[-1][2], TARGETS[n]
+        final, target = row["result"].evals[-1][2], MODELS[n][0]
         ok = "-" if target is None else "yes" if final <= target else "NO"
         target_cell = "-" if target is None else f"{target:.2f}"
         print(f"{n:<13} {row['params']:>9,} {final:>10.4f} {row['full']:>10.4f} {target_cell:>7} {ok:>4} "
@@ -140,14 +141,12 @@ def plot(rows: dict, speed_rows: list, path: str) -> None:
 
     fig = Figure(figsize=(11, 4.5))
     ax = fig.add_subplot(1, 2 if speed_rows else 1, 1)
-    colours = {"gpt2": "tab:blue", "gpt2-init002": "tab:grey", "modern": "tab:orange"}
     for name, row in rows.items():
-        colour = colours[name]
+        target, colour = MODELS[name]
         evals = row["result"].evals
         ax.plot([e[0] for e in evals], [e[2] for e in evals], "o-", color=colour, label=f"{name} val")
         ax.plot([e[0] for e in evals], [e[1] for e in evals], "--", color=colour, alpha=0.6, label=f"{name} train")
-    for name, target in TARGETS.items():
-        if name in rows and target is not None:
+        if target is not None:
             ax.axhline(target, color="grey", linestyle=":", linewidth=0.8)
     ax.set(xlabel="step", ylabel="loss (nats / char)", title="tiny shakespeare, char level")
     ax.grid(alpha=0.3)
@@ -169,7 +168,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default="shakespeare", help="shakespeare | PATH to tinyshakespeare.txt")
     parser.add_argument("--steps", type=int, default=2000, help="steps of the quality runs (0 = skip them)")
-    parser.add_argument("--models", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--speed-steps", type=int, default=0, help="steps per speed variant (0 = skip)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the quality runs; add a speed row")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")

@@ -139,19 +139,18 @@ class TransformerLM(nn.Module):
         cache is given); position_ids (B, T) override the ones derived from the mask.
         Returns (logits (B, T, V), loss or None). Targets equal to -100 are ignored."""
         B, T = self._check_inputs(idx, targets, attention_mask, position_ids, cache)
-        keep = torch.ones(B, T, dtype=torch.bool, device=idx.device) if attention_mask is None \
-            else attention_mask.to(torch.bool)
+        keep = None if attention_mask is None else attention_mask.to(torch.bool)  # (B, T)
         if cache is not None:
+            if keep is None:
+                keep = torch.ones(B, T, dtype=torch.bool, device=idx.device)
             # (B, Tk) or None while nothing cached is padding, (B, T)
             key_padding_mask, positions = cache.prepare(keep, padded=attention_mask is not None)
-        else:
-            key_padding_mask = keep
-            # A left-padded row starts at position 0 at its first real token.
-            positions = (keep.cumsum(dim=-1) - 1).clamp(min=0)  # (B, T)
+        elif keep is None:  # nothing to mask but the future: lets backends take fast paths
+            key_padding_mask, positions = None, torch.arange(T, device=idx.device).expand(B, T)  # (B, T)
+        else:  # a left-padded row starts at position 0 at its first real token
+            key_padding_mask, positions = keep, (keep.cumsum(dim=-1) - 1).clamp(min=0)  # (B, T)
         if position_ids is not None:
             positions = position_ids
-        if attention_mask is None and cache is None:
-            key_padding_mask = None  # nothing to mask but the future: lets backends take fast paths
 
         x = self.tok_emb(idx)  # (B, T, C)
         if self.pos_emb is not None:
