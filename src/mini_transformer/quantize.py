@@ -1,0 +1,225 @@
+"""Weight-only quantization: int8 per output channel, int4 per group; activations stay in float.
+
+Decoding one token reads every weight once and does little arithmetic with each, so its speed is set by
+how many bytes the weights take. Storing them in 8 or 4 bits reads 4x or 8x fewer bytes than fp32:
+
+  int8  w[n, k] ~ s[n] * q[n, k],            q in [-127, 127], s[n] = max_k |w[n, k]| / 127  (symmetric)
+  int4  w[n, k] ~ s[n, g] * q[n, k] + m[n, g], q in [0, 15], per group g of `group_size` inputs:
+        m = the group's min, s = (max - min) / 15                                            (asymmetric)
+
+Rounding moves each weight by at most half a step: |w - w_hat| <= s / 2. For an output
+y[n] = sum_k x[k] w[n, k] the error is therefore at most sum_k |x[k]| * s[n, group(k)] / 2 (tests check it).
+
+    quantize(model, "int8")               # every nn.Linear replaced in place; the model stays one TransformerLM
+    quantize(model, "int4", group_size=64)
+    save_quantized(model, path); model = load_quantized(path)
+
+Where PyTorch has a packed kernel for the device (`aten._weight_int8pack_mm`, and on the CPU
+`aten._weight_int4pack_mm_for_cpu`) the matmul reads the small weights directly; elsewhere the layer
+dequantizes and runs F.linear (the same numbers, more memory traffic).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MODES = ("int8", "int4")
+QUANT_CONFIG_NAME = "quantization.json"
+
+
+@cache
+def _kernel_works(name: str, device_type: str) -> bool:
+    """Whether aten's packed kernel `name` runs on this build and device (tried once on a tiny input)."""
+    try:
+        x = torch.randn(1, 64, device=device_type)
+        if name == "int8":
+            w = torch.ones(8, 64, dtype=torch.int8, device=device_type)
+            torch.ops.aten._weight_int8pack_mm(x, w, torch.ones(8, device=device_type))
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.zeros(16, 64, dtype=torch.int32), 1)
+            torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, torch.ones(2, 16, 2))
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()  # (..., K) -> (M, K): the kernels take 2-D inputs
+
+
+class Int8Linear(nn.Module):
+    """y = (x @ q^T) * s + b with q (N, K) int8 and one scale per output channel s (N,)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.ones(out_features, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        w = linear.weight.detach().float()  # (N, K)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, device=w.device)
+        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,)
+        layer.weight.copy_(torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        layer.scales.copy_(scales)
+        if linear.bias is not None:
+            layer.bias.copy_(linear.bias.detach())
+        return layer
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float() * self.scales[:, None]  # (N, K)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _kernel_works("int8", x.device.type):
+            y = torch.ops.aten._weight_int8pack_mm(_flat(x), self.weight, self.scales.to(x.dtype))  # (M, N)
+            y = y.view(*x.shape[:-1], self.out_features)
+        else:  # gpt-fast's form: the int8 -> float cast can fuse into the matmul under torch.compile
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values in [0, 15] -> (N, K/2) uint8: column 2j in the low half of byte j, 2j+1 in the high."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_nibbles: (N, K/2) uint8 -> (N, K) int32 in [0, 15]."""
+    low, high = packed & 0xF, packed >> 4
+    return torch.stack([low, high], dim=-1).flatten(1).to(torch.int32)  # (N, K)
+
+
+class Int4Linear(nn.Module):
+    """Group-wise 4-bit weights: w[n, k] ~ q[n, k] * scale[g, n] + min[g, n], g = k // group_size.
+
+    `weight` (N, K/2) uint8 holds two 4-bit values per byte (the portable form that is saved);
+    `scales_and_zeros` (K/group_size, N, 2) holds, per group, the scale and the value of q = 8 —
+    the layout aten's int4 kernel reads ((q - 8) * scale + zero). When that kernel runs here, its own
+    packing of the weight is kept beside (not saved; rebuilt on load)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int, device=None):
+        super().__init__()
+        assert in_features % group_size == 0 and group_size % 2 == 0
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        n_groups = in_features // group_size
+        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales_and_zeros", torch.zeros(n_groups, out_features, 2, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+        self.register_buffer("kernel_weight", None, persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.repack())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
+        w = linear.weight.detach().float()  # (N, K)
+        N, K = w.shape
+        layer = cls(K, N, linear.bias is not None, group_size, device=w.device)
+        groups = w.view(N, K // group_size, group_size)  # (N, G, group_size)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (N, G)
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).view(N, K)
+        layer.weight.copy_(pack_nibbles(q))
+        zero = low + 8 * scale  # the value of q = 8, the kernel's zero point
+        layer.scales_and_zeros.copy_(torch.stack([scale, zero], dim=-1).transpose(0, 1))  # (G, N, 2)
+        if linear.bias is not None:
+            layer.bias.copy_(linear.bias.detach())
+        layer.repack()
+        return layer
+
+    def repack(self) -> None:
+        """Build the CPU kernel's own packing of the weight, if that kernel runs here and takes this shape
+        (it wants N divisible by 16: GPT-2's 50257-word head falls back to dequantize + F.linear)."""
+        self.kernel_weight = None
+        if self.weight.device.type == "cpu" and self.out_features % 16 == 0 and _kernel_works("int4", "cpu"):
+            q = unpack_nibbles(self.weight)  # (N, K) int32
+            self.kernel_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+
+    def dequantize(self) -> torch.Tensor:
+        q = unpack_nibbles(self.weight).float()  # (N, K)
+        scale, zero = self.scales_and_zeros.transpose(0, 1).unbind(-1)  # (N, G) each
+        q = q.view(self.out_features, -1, self.group_size)  # (N, G, group_size)
+        return ((q - 8) * scale[..., None] + zero[..., None]).view(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_weight is not None and x.device.type == "cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                _flat(x), self.kernel_weight, self.group_size, self.scales_and_zeros.to(x.dtype))  # (M, N)
+            y = y.view(*x.shape[:-1], self.out_features)
+        else:
+            y = F.linear(x, self.dequantize().to(x.dtype))
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+def quantize(model: nn.Module, mode: str, group_size: int = 64) -> nn.Module:
+    """Replace every nn.Linear of `model` in place by an Int8Linear or Int4Linear; returns the same model.
+
+    int4 leaves a layer whose input width is not a multiple of group_size in float (named in
+    `model.quantization["skipped"]`). A tied head gets its own quantized copy; the embedding stays float."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not known; expected one of {', '.join(MODES)}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 or group_size % 2:
+        raise ValueError(f"group_size={group_size!r} must be an even integer >= 2")
+    if getattr(model, "quantization", None):
+        raise ValueError(f"the model is already quantized ({model.quantization['mode']})")
+    skipped = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            full_name = f"{name}.{child_name}" if name else child_name
+            if mode == "int8":
+                setattr(module, child_name, Int8Linear.from_linear(child))
+            elif child.in_features % group_size == 0:
+                setattr(module, child_name, Int4Linear.from_linear(child, group_size))
+            else:
+                skipped.append(full_name)
+    model.quantization = {"mode": mode, "group_size": group_size, "skipped": skipped}
+    return model
+
+
+def save_quantized(model: nn.Module, path: str | Path) -> None:
+    """config.json + model.safetensors (the quantized tensors as they are) + quantization.json."""
+    from safetensors.torch import save_file
+
+    from .checkpoint import CONFIG_NAME, WEIGHTS_NAME
+
+    if not getattr(model, "quantization", None):
+        raise ValueError("the model is not quantized; call quantize(model, mode) first")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(path / WEIGHTS_NAME))
+    (path / CONFIG_NAME).write_text(json.dumps({"model_type": "mini-transformer", **model.config.to_dict()}, indent=2))
+    (path / QUANT_CONFIG_NAME).write_text(json.dumps(model.quantization, indent=2))
+
+
+def is_quantized_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / QUANT_CONFIG_NAME).is_file()
+
+
+def load_quantized(path: str | Path, *, device: str | torch.device = "cpu"):
+    """Rebuild the model from config.json, quantize its (random) linears to make the right modules, then
+    load the saved tensors into them (strict: a missing or extra tensor is an error)."""
+    from safetensors.torch import load_file
+
+    from .checkpoint import CONFIG_NAME, WEIGHTS_NAME
+    from .config import TransformerConfig
+    from .transformer import TransformerLM
+
+    path = Path(path)
+    if not is_quantized_checkpoint(path):
+        raise ValueError(f"path={str(path)!r} has no {QUANT_CONFIG_NAME}; expected a directory from save_quantized")
+    raw = json.loads((path / CONFIG_NAME).read_text())
+    raw.pop("model_type", None)
+    settings = json.loads((path / QUANT_CONFIG_NAME).read_text())
+    model = quantize(TransformerLM(TransformerConfig.from_dict(raw)), settings["mode"], settings["group_size"])
+    model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=True)
+    return model.to(device).eval()
