@@ -136,9 +136,11 @@ class Int4Linear(nn.Module):
 
     def repack(self) -> None:
         """Build the CPU kernel's own packing of the weight, if that kernel runs here and takes this shape
-        (it wants N divisible by 16: GPT-2's 50257-word head falls back to dequantize + F.linear)."""
+        (it wants N divisible by 16 and groups of 32, 64, 128 or 256: GPT-2's 50257-word head falls back
+        to dequantize + F.linear)."""
         self.kernel_weight = None
-        if self.weight.device.type == "cpu" and self.out_features % 16 == 0 and _kernel_works("int4", "cpu"):
+        shape_fits = self.out_features % 16 == 0 and self.group_size in (32, 64, 128, 256)
+        if self.weight.device.type == "cpu" and shape_fits and _kernel_works("int4", "cpu"):
             q = unpack_nibbles(self.weight)  # (N, K) int32
             self.kernel_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
 
