@@ -146,12 +146,14 @@ def generate(
         step_fn = decode_step
         if use_cache:
             dtype = model.tok_emb.weight.dtype
-            cache_class = KVCache
             if compile:  # fixed shapes: every decode step runs the same compiled graph
-                from .static_cache import StaticCache, compiled_decode_step
+                from .static_cache import StaticCache, compiled_decode_step, static_length
 
-                cache_class, step_fn = StaticCache, compiled_decode_step(device)
-            cache = cache_class.for_model(model.config, B, T + n_new, dtype=dtype, device=device)
+                max_len = static_length(T + n_new, model.config.max_seq_len)
+                cache = StaticCache.for_model(model.config, B, max_len, dtype=dtype, device=device)
+                step_fn = compiled_decode_step(device)
+            else:
+                cache = KVCache.for_model(model.config, B, T + n_new, dtype=dtype, device=device)
             logits = prefill(model, idx, cache, prompt_mask)
         else:
             logits = model(idx, attention_mask=prompt_mask, check=False)[0][:, -1]

@@ -62,6 +62,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.ones(out_features, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+        # decided here, not per call: a compiled step then sees a constant, not a function to trace
+        self.use_kernel = _kernel_works("int8", torch.device(device or "cpu").type)
+
+    def _apply(self, fn, recurse=True):  # .to(device) may move the layer where the kernel does not run
+        super()._apply(fn, recurse)
+        self.use_kernel = _kernel_works("int8", self.weight.device.type)
+        return self
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -78,7 +85,7 @@ class Int8Linear(nn.Module):
         return self.weight.float() * self.scales[:, None]  # (N, K)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _kernel_works("int8", x.device.type):
+        if self.use_kernel:
             y = torch.ops.aten._weight_int8pack_mm(_flat(x), self.weight, self.scales.to(x.dtype))  # (M, N)
             y = y.view(*x.shape[:-1], self.out_features)
         else:  # gpt-fast's form: the int8 -> float cast can fuse into the matmul under torch.compile

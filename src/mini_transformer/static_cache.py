@@ -128,6 +128,13 @@ def _decode_one(model, token: torch.Tensor, cache: StaticCache) -> torch.Tensor:
 _COMPILED: dict[str, Callable] = {}
 
 
+def static_length(needed: int, max_seq_len: int, multiple: int = 128) -> int:
+    """The slab length for `needed` slots: rounded up to a multiple of 128 (at most max_seq_len), so that
+    generate() calls of nearby lengths share one compiled graph instead of compiling one each. The price:
+    a step attends over (masked) slots it does not need yet."""
+    return min(max_seq_len, -(-needed // multiple) * multiple)
+
+
 def compiled_decode_step(device: torch.device | str) -> Callable:
     """`_decode_one` compiled with fullgraph=True (a graph break would be an error, not a slowdown).
 
