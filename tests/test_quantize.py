@@ -142,3 +142,24 @@ def test_quantize_door_errors(tmp_path):
         save_quantized(tiny_model(), tmp_path)
     with pytest.raises(ValueError, match="quantization.json"):
         load_quantized(tmp_path)
+
+
+def test_sample_cli_quantize_flag_and_quantized_checkpoint(tmp_path, capsys):
+    from mini_transformer.cli import main
+    from mini_transformer.tokenizer import CharTokenizer
+
+    tokenizer = CharTokenizer.train("the quick brown fox jumps over the lazy dog")
+    model = tiny_model(vocab_size=tokenizer.vocab_size, init_std=0.3)
+    model.save_pretrained(tmp_path / "float")
+    tokenizer.save(tmp_path / "float")
+    args = ["--prompt", "the fox", "--max-new-tokens", "12", "--temperature", "0"]
+    assert main(["sample", "--checkpoint", str(tmp_path / "float"), "--quantize", "int8", *args]) == 0
+    quantized = quantize(model, "int8")
+    expected = generate(quantized, torch.tensor([tokenizer.encode("the fox")]), 12)
+    assert capsys.readouterr().out == "the fox" + tokenizer.decode(expected[0].tolist()) + "\n"
+    save_quantized(quantized, tmp_path / "int8")
+    tokenizer.save(tmp_path / "int8")
+    assert main(["sample", "--checkpoint", str(tmp_path / "int8"), *args]) == 0
+    assert capsys.readouterr().out == "the fox" + tokenizer.decode(expected[0].tolist()) + "\n"
+    assert main(["sample", "--checkpoint", str(tmp_path / "int8"), "--quantize", "int4", *args]) == 2
+    assert "already quantized" in capsys.readouterr().err

@@ -158,3 +158,23 @@ def test_speculative_door_errors():
         generate(target, idx, 4, draft_model="prompt_lookup", repetition_penalty=1.2)
     with pytest.raises(ValueError, match="compile"):
         generate(target, idx, 4, draft_model="prompt_lookup", compile=True)
+
+
+def test_sample_cli_speculative_flags_print_the_plain_greedy_text(tmp_path, capsys):
+    from mini_transformer.cli import main
+    from mini_transformer.tokenizer import CharTokenizer
+
+    tokenizer = CharTokenizer.train("the quick brown fox jumps over the lazy dog")
+    vocab = tokenizer.vocab_size
+    target, draft = model(vocab=vocab, dtype=torch.float32), model(n_layer=1, vocab=vocab, seed=1, dtype=torch.float32)
+    for name, m in (("target", target), ("draft", draft)):
+        m.save_pretrained(tmp_path / name)
+        tokenizer.save(tmp_path / name)
+    args = ["sample", "--checkpoint", str(tmp_path / "target"), "--prompt", "the fox", "--max-new-tokens", "30",
+            "--temperature", "0"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--draft-checkpoint", str(tmp_path / "draft"), "--speculative-tokens", "3"]) == 0
+    assert capsys.readouterr().out == plain
+    assert main([*args, "--prompt-lookup"]) == 0
+    assert capsys.readouterr().out == plain

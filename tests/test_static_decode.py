@@ -151,3 +151,28 @@ def test_compiled_padding_does_not_change_a_row(compiled_setup):
     alone = generate(model, idx[:1, 3:], 20)  # the padded row's 2 real tokens, unpadded, eager
     batch = generate(model, idx, N_NEW, attention_mask=mask, compile=True)
     assert torch.equal(batch[:1, :20], alone)
+
+
+def test_sample_cli_compile_flag_reaches_generate(tmp_path, capsys, monkeypatch):
+    """`sample --compile` asks generate for compile=True (the compiled path itself is tested above)."""
+    import importlib
+
+    from mini_transformer.cli import main
+    from mini_transformer.tokenizer import CharTokenizer
+
+    tokenizer = CharTokenizer.train("abc def")
+    model = TransformerLM(small_model(dtype=torch.float32).config.replace(vocab_size=tokenizer.vocab_size))
+    model.save_pretrained(tmp_path)
+    tokenizer.save(tmp_path)
+    generate_module = importlib.import_module("mini_transformer.generate")  # the module, not the function
+    seen = []
+    real_generate = generate_module.generate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["compile"])
+        return real_generate(*args, **{**kwargs, "compile": False})
+
+    monkeypatch.setattr(generate_module, "generate", spy)
+    assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "abc", "--max-new-tokens", "5",
+                 "--compile"]) == 0
+    assert seen == [True]

@@ -85,6 +85,13 @@ def _add_sample(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cache", action="store_true", help="re-run the whole sequence every step (slow; to compare)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--compile", action="store_true",
+                   help="decode from a static cache with a step compiled once (the first call compiles)")
+    p.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantize every linear layer first")
+    p.add_argument("--group-size", type=int, default=64, help="int4 group size (with --quantize int4)")
+    p.add_argument("--draft-checkpoint", help="a small model sharing the tokenizer: speculative decoding")
+    p.add_argument("--prompt-lookup", action="store_true", help="speculative decoding with n-gram drafts from the text")
+    p.add_argument("--speculative-tokens", type=int, default=4, help="tokens drafted per target pass")
     p.set_defaults(func=_run_sample)
 
 
@@ -122,7 +129,7 @@ def _run_sample(args) -> None:
     from .transformer import TransformerLM
 
     tokenizer = load_tokenizer(args.checkpoint)
-    model = TransformerLM.from_pretrained(args.checkpoint, device=args.device)
+    model = _load_sample_model(args)
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
         raise ValueError("--prompt is empty; give at least one character of text to continue")
@@ -135,10 +142,29 @@ def _run_sample(args) -> None:
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
     )
     # past max_seq_len generate_long slides the context window (re-prefilling its second half)
+    draft = "prompt_lookup" if args.prompt_lookup else None
+    if args.draft_checkpoint:
+        draft = TransformerLM.from_pretrained(args.draft_checkpoint, device=args.device)
     generate_long(model, idx, params, eos_token_id=tokenizer.eos_token_id, use_cache=not args.no_cache,
-                  stream=stream)
+                  stream=stream, compile=args.compile, draft_model=draft,
+                  num_speculative_tokens=args.speculative_tokens)
     stream.flush()
     sys.stdout.write("\n")
+
+
+def _load_sample_model(args):
+    """The checkpoint (float, or one written by quantize.save_quantized), quantized if --quantize asks."""
+    from .quantize import is_quantized_checkpoint, load_quantized, quantize
+    from .transformer import TransformerLM
+
+    if args.draft_checkpoint and args.prompt_lookup:
+        raise ValueError("--draft-checkpoint and --prompt-lookup are two drafters; choose one")
+    if is_quantized_checkpoint(args.checkpoint):
+        if args.quantize:
+            raise ValueError(f"--checkpoint {args.checkpoint} is already quantized; drop --quantize")
+        return load_quantized(args.checkpoint, device=args.device)
+    model = TransformerLM.from_pretrained(args.checkpoint, device=args.device)
+    return quantize(model, args.quantize, group_size=args.group_size) if args.quantize else model
 
 
 # ---------------------------------------------------------------------------------------- train

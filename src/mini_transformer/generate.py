@@ -194,14 +194,17 @@ def generate_long(
     use_cache: bool = True,
     generator: torch.Generator | None = None,
     stream: Callable[[torch.Tensor], None] | None = None,
+    compile: bool = False,
+    draft_model: TransformerLM | str | None = None,
+    num_speculative_tokens: int = 4,
     **sampling,
 ) -> torch.Tensor:
     """Continue one unpadded batch past the model's context length. Returns the new ids (B, <= max_tokens).
 
     Generation runs in chunks: fill the context with `generate` (KV cache), then keep only the last
     `keep_tokens` tokens (default: half the context), prefill them into a fresh cache, and go on.
-    Each token therefore sees between keep_tokens and max_seq_len tokens of history. `params` and
-    `sampling` are generate's.
+    Each token therefore sees between keep_tokens and max_seq_len tokens of history. `params`,
+    `sampling` and the decode options (compile, draft_model, num_speculative_tokens) are generate's.
     """
     if "attention_mask" in sampling:
         raise ValueError("generate_long takes unpadded prompts only (no attention_mask); generate one row at a time")
@@ -220,7 +223,8 @@ def generate_long(
         n = min(params.max_tokens - produced, context - window.shape[1])
         chunk_params = dataclasses.replace(params, max_tokens=n, seed=None)
         new = generate(model, window, chunk_params, eos_token_id=eos_token_id, use_cache=use_cache,
-                       generator=generator, stream=stream)  # (B, n)
+                       generator=generator, stream=stream, compile=compile, draft_model=draft_model,
+                       num_speculative_tokens=num_speculative_tokens)  # (B, n)
         chunks.append(new)
         produced += n
         if stops and bool(torch.isin(new, torch.tensor(stops, device=new.device)).any(dim=-1).all()):
