@@ -57,7 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, every method")
     p.add_argument("--device", default="cpu")
     p.add_argument("--data", default=None, help="text to train on (default: tiny shakespeare, or pydoc offline)")
-    p.add_argument("--train-steps", type=int, default=300)
+    p.add_argument("--train-steps", type=int, default=200)
+    p.add_argument("--context", type=int, default=64,
+                   help="block size the char models train on = their max_seq_len (prompt + new tokens fit in it)")
     p.add_argument("--draft-layers", type=int, default=1)
     p.add_argument("--trained", metavar="DIR", help="load target/ and draft/ from DIR, or train and save them there")
     p.add_argument("--speculative-tokens", type=int, default=4, help="k drafted per target pass")
@@ -131,11 +133,12 @@ def run_speed(name: str, args, bandwidth: float) -> list[dict]:
     runners = {m: r for m, r in speed_runners(ours, hf, args.group_size).items() if m in args.methods}
     idx = torch.randint(1, ours.config.vocab_size, (1, T), device=args.device)
     first = {}
-    for m in tqdm(runners, desc=f"{name}: warm-up and compile", unit="method"):  # same length: same graph
-        first[m] = runners[m][1](idx, n_new)
+    for m in tqdm(runners, desc=f"{name}: warm-up and compile", unit="method"):
+        compiled = m in ("compiled", "int8", "int4")  # warm up at the timed length: the same static graph
+        first[m] = runners[m][1](idx, n_new if compiled else 8)[:, :8]
     for m in ("hf", "compiled"):
-        if m in first and not torch.equal(first[m], first["eager"]):
-            raise SystemExit(f"{name}: {m} produced other greedy tokens than eager")
+        if m in first and "eager" in first and not torch.equal(first[m], first["eager"]):
+            raise SystemExit(f"{name}: {m} produced other greedy tokens than eager: {first[m]} vs {first['eager']}")
     rows = []
     for m in tqdm(runners, desc=f"{name}: timed runs", unit="method"):
         model, run = runners[m]
@@ -188,12 +191,11 @@ def plot_roofline(rows: list[dict], bandwidth: float, path: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------- tricks
-TRAINED_LAYOUT = dict(d_model=384, n_heads=6, max_seq_len=128, ffn="gelu_tanh", bias=True, tie_weights=True,
-                      attn_backend="sdpa")
+TRAINED_LAYOUT = dict(d_model=384, n_heads=6, ffn="gelu_tanh", bias=True, tie_weights=True, attn_backend="sdpa")
 
 
 def trained_models(args):
-    """(target, draft, tokenizer, held-out ids): trained here (block 128, batch 8) or loaded from --trained."""
+    """(target, draft, held-out ids): trained here (batch 8 of --context tokens) or loaded from --trained."""
     from mini_transformer.data import load_text, split_tokens
     from mini_transformer.tokenizer import load_tokenizer
     from mini_transformer.train import TrainConfig, train
@@ -203,21 +205,22 @@ def trained_models(args):
     for role, n_layer in (("target", 6), ("draft", args.draft_layers)):
         path = root / role
         if not (path / "config.json").is_file():
-            cfg = TrainConfig(data=args.data, max_steps=args.train_steps, batch_size=8, block_size=128,
+            cfg = TrainConfig(data=args.data, max_steps=args.train_steps, batch_size=8, block_size=args.context,
                               eval_interval=args.train_steps, eval_batches=4, num_samples=0, device=args.device,
                               out_dir=str(root / f"{role}-run"), progress=True)
-            result = train(cfg, TransformerConfig(vocab_size=65, n_layer=n_layer, **TRAINED_LAYOUT))
+            model_cfg = TransformerConfig(vocab_size=65, n_layer=n_layer, max_seq_len=args.context, **TRAINED_LAYOUT)
+            result = train(cfg, model_cfg)
             result.model.save_pretrained(path)
             result.tokenizer.save(path)
         models[role] = TransformerLM.from_pretrained(path, device=args.device).eval()
     tokenizer = load_tokenizer(root / "target")
     text, _ = load_text(args.data)
-    _, val = split_tokens(torch.tensor(tokenizer.encode(text)), 128)
+    _, val = split_tokens(torch.tensor(tokenizer.encode(text)), args.context)
     return models["target"], models["draft"], val.to(args.device)
 
 
 @torch.inference_mode()
-def perplexity(model, val: torch.Tensor, block: int = 128, windows: int = 64) -> float:
+def perplexity(model, val: torch.Tensor, block: int, windows: int = 64) -> float:
     n = min(windows, (len(val) - 1) // block)
     x = val[:n * block].view(n, block)
     y = val[1:n * block + 1].view(n, block)
@@ -233,17 +236,20 @@ def timed(fn):
 
 def run_tricks(args) -> None:
     target, draft, val = trained_models(args)
-    rows = [("fp32", perplexity(target, val))]
+    ctx = args.context
+    rows = [("fp32", perplexity(target, val, ctx))]
     for mode in ("int8", "int4"):
-        rows.append((mode, perplexity(quantize(copy.deepcopy(target), mode, group_size=args.group_size), val)))
-    print(f"\nheld-out perplexity of the trained 6x384 char model ({len(val)} held-out tokens, 64 windows of 128)")
+        rows.append((mode, perplexity(quantize(copy.deepcopy(target), mode, group_size=args.group_size), val, ctx)))
+    print(f"\nheld-out perplexity of the trained 6x384 char model ({args.train_steps} steps; "
+          f"{min(64, (len(val) - 1) // ctx)} held-out windows of {ctx} tokens)")
     for mode, ppl in rows:
         print(f"  {mode:>5}: {ppl:.4f}  ({ppl / rows[0][1]:.4f}x fp32)")
 
-    prompts = {  # name -> (prompt ids (1, T), new tokens): prompt + new tokens fit the 128-token context
-        "plain": (val[None, :16], 112),
-        "plain-long": (val[None, 200:248], 80),
-        "repetitive": (val[None, 400:424].repeat(1, 2), 80),
+    half, quarter = ctx // 2, ctx // 4
+    prompts = {  # name -> (prompt ids (1, T), new tokens): prompt + new tokens fill the context
+        "plain": (val[None, :16], ctx - 16),
+        "plain-long": (val[None, 200:200 + half], ctx - half),
+        "repetitive": (val[None, 400:400 + quarter].repeat(1, 2), ctx - half),
     }
     k = args.speculative_tokens
     cases = [("speculative", "plain", draft), ("prompt lookup", "plain-long", "prompt_lookup"),

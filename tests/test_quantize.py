@@ -69,8 +69,10 @@ def test_int8_kernel_equals_dequantize_then_matmul():
     torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_int4_kernel_equals_dequantize_then_matmul():
-    layer = Int4Linear.from_linear(nn.Linear(128, 32), group_size=32)
+@pytest.mark.parametrize("out_features", [32, 40])  # 40: padded to 48 rows for the kernel, cut back
+def test_int4_kernel_equals_dequantize_then_matmul(out_features):
+    layer = Int4Linear.from_linear(nn.Linear(128, out_features), group_size=32)
+    assert layer.kernel_weight is not None
     x = torch.randn(2, 3, 128)
     with_kernel = layer(x)
     layer.kernel_weight = None  # force the fallback

@@ -122,6 +122,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", torch.zeros(n_groups, out_features, 2, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
         self.register_buffer("kernel_weight", None, persistent=False)
+        self.register_buffer("kernel_scales_and_zeros", None, persistent=False)
         self.register_load_state_dict_post_hook(lambda module, _keys: module.repack())
 
     @classmethod
@@ -142,14 +143,17 @@ class Int4Linear(nn.Module):
         return layer
 
     def repack(self) -> None:
-        """Build the CPU kernel's own packing of the weight, if that kernel runs here and takes this shape
-        (it wants N divisible by 16 and groups of 32, 64, 128 or 256: GPT-2's 50257-word head falls back
-        to dequantize + F.linear)."""
-        self.kernel_weight = None
-        shape_fits = self.out_features % 16 == 0 and self.group_size in (32, 64, 128, 256)
-        if self.weight.device.type == "cpu" and shape_fits and _kernel_works("int4", "cpu"):
-            q = unpack_nibbles(self.weight)  # (N, K) int32
-            self.kernel_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        """Build the CPU kernel's own packing of the weight, if that kernel runs here. It takes groups of
+        32, 64, 128 or 256 and N divisible by 16: other N (GPT-2's 50257-word head) get zero rows up to
+        the next multiple of 16, and the output is cut back to N."""
+        self.kernel_weight = self.kernel_scales_and_zeros = None
+        if self.weight.device.type != "cpu" or self.group_size not in (32, 64, 128, 256) \
+                or not _kernel_works("int4", "cpu"):
+            return
+        pad = -self.out_features % 16
+        q = F.pad(unpack_nibbles(self.weight), (0, 0, 0, pad))  # (N + pad, K) int32
+        self.kernel_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        self.kernel_scales_and_zeros = F.pad(self.scales_and_zeros, (0, 0, 0, pad))  # (G, N + pad, 2)
 
     def dequantize(self) -> torch.Tensor:
         q = unpack_nibbles(self.weight).float()  # (N, K)
@@ -160,8 +164,8 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_weight is not None and x.device.type == "cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                _flat(x), self.kernel_weight, self.group_size, self.scales_and_zeros.to(x.dtype))  # (M, N)
-            y = y.view(*x.shape[:-1], self.out_features)
+                _flat(x), self.kernel_weight, self.group_size, self.kernel_scales_and_zeros.to(x.dtype))
+            y = y[:, :self.out_features].reshape(*x.shape[:-1], self.out_features)  # (M, N + pad) -> (..., N)
         else:
             y = F.linear(x, self.dequantize().to(x.dtype))
         return y if self.bias is None else y + self.bias.to(x.dtype)
