@@ -12,6 +12,8 @@ from mini_transformer import TransformerConfig, TransformerLM, generate
 from mini_transformer.quantize import (
     Int4Linear,
     Int8Linear,
+    int4_rowwise,
+    int8_rowwise,
     load_quantized,
     pack_nibbles,
     quantize,
@@ -64,6 +66,7 @@ def test_int4_linear_within_its_group_scale_bound(groups, group_size, out_featur
 def test_int8_kernel_equals_dequantize_then_matmul():
     linear = nn.Linear(96, 48)
     layer = Int8Linear.from_linear(linear)
+    layer.use_kernel = True  # aten._weight_int8pack_mm (runs on this CPU build; opt-in because it is slow)
     x = torch.randn(2, 3, 96)
     want = x.double() @ layer.dequantize().double().T + layer.bias.double()
     torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5)
@@ -71,13 +74,38 @@ def test_int8_kernel_equals_dequantize_then_matmul():
 
 @pytest.mark.parametrize("out_features", [32, 40])  # 40: padded to 48 rows for the kernel, cut back
 def test_int4_kernel_equals_dequantize_then_matmul(out_features):
-    layer = Int4Linear.from_linear(nn.Linear(128, out_features), group_size=32)
+    layer = Int4Linear.from_linear(nn.Linear(128, out_features), group_size=32, use_kernel=True)
     assert layer.kernel_weight is not None
     x = torch.randn(2, 3, 128)
     with_kernel = layer(x)
     layer.kernel_weight = None  # force the fallback
     fallback = layer(x)
     torch.testing.assert_close(with_kernel, fallback, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_rowwise_forms_equal_dequantize_then_matmul():
+    """The multiply-and-sum forms a compiled decode step uses, run eagerly here against float64."""
+    x = torch.randn(3, 128)
+    int8 = Int8Linear.from_linear(nn.Linear(128, 24))
+    want = x.double() @ int8.dequantize().double().T
+    torch.testing.assert_close(int8_rowwise(x, int8.weight, int8.scales).double(), want, rtol=1e-5, atol=1e-5)
+    int4 = Int4Linear.from_linear(nn.Linear(128, 24), group_size=32)
+    want = x.double() @ int4.dequantize().double().T
+    got = int4_rowwise(x, int4.weight, int4.scales_and_zeros, 32).double()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_quantized_linears_take_the_fused_path():
+    """Under torch.compile a one-row input goes through the fused reduction; same numbers as eager."""
+    a = Int8Linear.from_linear(nn.Linear(64, 32))
+    b = Int4Linear.from_linear(nn.Linear(32, 16), group_size=32)
+
+    def both(x):
+        return b(torch.relu(a(x)))
+
+    x = torch.randn(1, 1, 64)
+    compiled = torch.compile(both, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(x), both(x), rtol=1e-5, atol=1e-5)
 
 
 def test_nibble_packing_round_trips():

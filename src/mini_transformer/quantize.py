@@ -14,9 +14,13 @@ y[n] = sum_k x[k] w[n, k] the error is therefore at most sum_k |x[k]| * s[n, gro
     quantize(model, "int4", group_size=64)
     save_quantized(model, path); model = load_quantized(path)
 
-Where PyTorch has a packed kernel for the device (`aten._weight_int8pack_mm`, and on the CPU
-`aten._weight_int4pack_mm_for_cpu`) the matmul reads the small weights directly; elsewhere the layer
-dequantizes and runs F.linear (the same numbers, more memory traffic).
+How the matmul reads the small weights, three ways (the same numbers up to float rounding):
+  * inside a compiled decode step (a few rows): written as multiply-and-sum over the input dimension,
+    which inductor fuses into ONE reduction kernel that reads the int8 / packed int4 bytes directly;
+  * `packed_kernels=True`: PyTorch's packed kernels (`aten._weight_int8pack_mm`, on the CPU
+    `aten._weight_int4pack_mm_for_cpu`). They run on this project's CPU build but measured 13-50x slower
+    than the fp32 matmul at batch 1 (docs/08), so they are opt-in;
+  * otherwise (eager, prefill): dequantize, then F.linear.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 MODES = ("int8", "int4")
+FUSED_MAX_ROWS = 8  # a compiled step with at most this many rows (batch x tokens) uses the fused reduction
 QUANT_CONFIG_NAME = "quantization.json"
 
 
@@ -62,13 +67,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.ones(out_features, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
-        # decided here, not per call: a compiled step then sees a constant, not a function to trace
-        self.use_kernel = _kernel_works("int8", torch.device(device or "cpu").type)
-
-    def _apply(self, fn, recurse=True):  # .to(device) may move the layer where the kernel does not run
-        super()._apply(fn, recurse)
-        self.use_kernel = _kernel_works("int8", self.weight.device.type)
-        return self
+        self.use_kernel = False  # a plain attribute, set by quantize(): a compiled step sees a constant
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -85,12 +84,38 @@ class Int8Linear(nn.Module):
         return self.weight.float() * self.scales[:, None]  # (N, K)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernel:
+        rows = x.numel() // x.shape[-1]  # static under torch.compile
+        if torch.compiler.is_compiling() and rows <= FUSED_MAX_ROWS:
+            y = int8_rowwise(_flat(x), self.weight, self.scales).view(*x.shape[:-1], self.out_features)
+        elif self.use_kernel:
             y = torch.ops.aten._weight_int8pack_mm(_flat(x), self.weight, self.scales.to(x.dtype))  # (M, N)
             y = y.view(*x.shape[:-1], self.out_features)
-        else:  # gpt-fast's form: the int8 -> float cast can fuse into the matmul under torch.compile
+        else:
             y = F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+def int8_rowwise(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float, q (N, K) int8, scales (N,) -> (M, N): sum_k x[m, k] q[n, k], times scales[n].
+    Written as multiply-and-sum (not F.linear) so that inductor fuses the int8 -> float cast into the
+    reduction and reads one byte per weight; eager, it would materialise (M, N, K) — small M only."""
+    return (x[:, None, :] * q.to(x.dtype)).sum(dim=-1) * scales.to(x.dtype)  # (M, N, K) -> (M, N)
+
+
+def int4_rowwise(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int):
+    """x (M, K) float, packed (N, K/2) uint8 (pack_nibbles), scales_and_zeros (G, N, 2) -> (M, N).
+    Each group of the input is split into its even and odd columns (the low and high nibbles of the
+    same bytes), so the 4-bit values are never interleaved back: one fused reduction under compile."""
+    M, K = x.shape
+    N, G = packed.shape[0], K // group_size
+    nibbles = packed.view(N, G, group_size // 2)
+    scale = scales_and_zeros[..., 0].T[..., None].to(x.dtype)  # (N, G, 1)
+    zero = scales_and_zeros[..., 1].T[..., None].to(x.dtype)
+    w_even = ((nibbles & 0xF).to(x.dtype) - 8) * scale + zero  # (N, G, group/2): columns 0, 2, 4, ...
+    w_odd = ((nibbles >> 4).to(x.dtype) - 8) * scale + zero  # columns 1, 3, 5, ...
+    x_even = x[:, 0::2].reshape(M, 1, G, group_size // 2)
+    x_odd = x[:, 1::2].reshape(M, 1, G, group_size // 2)
+    return (x_even * w_even + x_odd * w_odd).sum(dim=(-1, -2))  # (M, N, G, group/2) -> (M, N)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -113,10 +138,12 @@ class Int4Linear(nn.Module):
     the layout aten's int4 kernel reads ((q - 8) * scale + zero). When that kernel runs here, its own
     packing of the weight is kept beside (not saved; rebuilt on load)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int, device=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int, device=None,
+                 use_kernel: bool = False):
         super().__init__()
         assert in_features % group_size == 0 and group_size % 2 == 0
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.use_kernel = use_kernel
         n_groups = in_features // group_size
         self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scales_and_zeros", torch.zeros(n_groups, out_features, 2, device=device))
@@ -126,10 +153,10 @@ class Int4Linear(nn.Module):
         self.register_load_state_dict_post_hook(lambda module, _keys: module.repack())
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
+    def from_linear(cls, linear: nn.Linear, group_size: int, use_kernel: bool = False) -> Int4Linear:
         w = linear.weight.detach().float()  # (N, K)
         N, K = w.shape
-        layer = cls(K, N, linear.bias is not None, group_size, device=w.device)
+        layer = cls(K, N, linear.bias is not None, group_size, device=w.device, use_kernel=use_kernel)
         groups = w.view(N, K // group_size, group_size)  # (N, G, group_size)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (N, G)
         scale = ((high - low) / 15).clamp(min=1e-12)
@@ -147,7 +174,7 @@ class Int4Linear(nn.Module):
         32, 64, 128 or 256 and N divisible by 16: other N (GPT-2's 50257-word head) get zero rows up to
         the next multiple of 16, and the output is cut back to N."""
         self.kernel_weight = self.kernel_scales_and_zeros = None
-        if self.weight.device.type != "cpu" or self.group_size not in (32, 64, 128, 256) \
+        if not self.use_kernel or self.weight.device.type != "cpu" or self.group_size not in (32, 64, 128, 256) \
                 or not _kernel_works("int4", "cpu"):
             return
         pad = -self.out_features % 16
@@ -162,7 +189,11 @@ class Int4Linear(nn.Module):
         return ((q - 8) * scale[..., None] + zero[..., None]).view(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel_weight is not None and x.device.type == "cpu":
+        rows = x.numel() // x.shape[-1]
+        if torch.compiler.is_compiling() and rows <= FUSED_MAX_ROWS:
+            y = int4_rowwise(_flat(x), self.weight, self.scales_and_zeros, self.group_size)
+            y = y.view(*x.shape[:-1], self.out_features)
+        elif self.kernel_weight is not None and x.device.type == "cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 _flat(x), self.kernel_weight, self.group_size, self.kernel_scales_and_zeros.to(x.dtype))
             y = y[:, :self.out_features].reshape(*x.shape[:-1], self.out_features)  # (M, N + pad) -> (..., N)
@@ -171,8 +202,9 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
-def quantize(model: nn.Module, mode: str, group_size: int = 64) -> nn.Module:
+def quantize(model: nn.Module, mode: str, group_size: int = 64, *, packed_kernels: bool = False) -> nn.Module:
     """Replace every nn.Linear of `model` in place by an Int8Linear or Int4Linear; returns the same model.
+    `packed_kernels=True` runs eager matmuls through aten's packed kernels where they work.
 
     int4 leaves a layer whose input width is not a multiple of group_size in float (named in
     `model.quantization["skipped"]`). A tied head gets its own quantized copy; the embedding stays float."""
@@ -189,9 +221,11 @@ def quantize(model: nn.Module, mode: str, group_size: int = 64) -> nn.Module:
                 continue
             full_name = f"{name}.{child_name}" if name else child_name
             if mode == "int8":
-                setattr(module, child_name, Int8Linear.from_linear(child))
+                layer = Int8Linear.from_linear(child)
+                layer.use_kernel = packed_kernels and _kernel_works("int8", child.weight.device.type)
+                setattr(module, child_name, layer)
             elif child.in_features % group_size == 0:
-                setattr(module, child_name, Int4Linear.from_linear(child, group_size))
+                setattr(module, child_name, Int4Linear.from_linear(child, group_size, use_kernel=packed_kernels))
             else:
                 skipped.append(full_name)
     model.quantization = {"mode": mode, "group_size": group_size, "skipped": skipped}
