@@ -65,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--trained", metavar="DIR", help="load target/ and draft/ from DIR, or train and save them there")
     p.add_argument("--speculative-tokens", type=int, default=4, help="k drafted per target pass")
     p.add_argument("--plot", metavar="PNG", help="write the roofline plot (bytes/token vs tokens/s) here")
+    p.add_argument("--profile", nargs="+", choices=SPEED_METHODS, default=[],
+                   help="after timing, profile one run of these methods (torch.profiler) and print the top ops")
     return p.parse_args(argv)
 
 
@@ -152,6 +154,9 @@ def run_speed(name: str, args, bandwidth: float) -> list[dict]:
             start = time.perf_counter()
             runners[m][1](idx, n_new)
             seconds[m] = min(seconds[m], time.perf_counter() - start)
+    for m in args.profile:
+        if m in runners:
+            profile_run(f"{name} {m}", lambda: runners[m][1](idx, n_new))  # noqa: B023
     rows = []
     for m, (model, _) in runners.items():
         slots = static_length(T + n_new, ours.config.max_seq_len) if m in ("compiled", "int8", "int4") \
@@ -161,6 +166,16 @@ def run_speed(name: str, args, bandwidth: float) -> list[dict]:
         rows.append(dict(model=name, method=m, tok_s=tok_s, bytes=read, weights=weight_bytes(model),
                          ceiling=bandwidth / read, share=tok_s * read / bandwidth))
     return rows
+
+
+def profile_run(title: str, fn, top: int = 8) -> None:
+    """Where the time of one run goes: the ops with the most self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    print(f"\nprofile: {title}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
 
 
 def print_speed(rows: list[dict]) -> None:

@@ -84,13 +84,13 @@ def test_reset_reuses_the_slabs():
     model = small_model()
     idx, mask = padded_prompt([2, 0], 4)
     cache = StaticCache.for_model(model.config, 2, 8, dtype=torch.float64)
-    k_storage = cache.k.data_ptr()
+    k_storage = cache.k[0].data_ptr()
     with torch.no_grad():
         first, _ = model(idx, attention_mask=mask, cache=cache, check=False)
         cache.reset()
         again, _ = model(idx, attention_mask=mask, cache=cache, check=False)
     torch.testing.assert_close(first, again, rtol=0, atol=0)
-    assert cache.k.data_ptr() == k_storage
+    assert cache.k[0].data_ptr() == k_storage
 
 
 def test_static_cache_door_errors():

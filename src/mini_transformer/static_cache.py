@@ -4,7 +4,7 @@
 compiled decode step sees a new shape every step and recompiles (or, past dynamo's limit, falls back to
 eager). `StaticCache` answers the same two calls (`begin`, `attend`) as gpt-fast does:
 
-  * the slabs are fixed, (n_layer, B, Hkv, max_len, D);
+  * the slabs are fixed, one (B, Hkv, max_len, D) tensor per layer;
   * the slot of the next token is a tensor, `input_pos` (1,), never a Python int, so the step never
     reads it back to the host and dynamo never specialises on it;
   * a decode step writes k, v at `input_pos` (`index_copy_`) and attends over ALL max_len slots with a
@@ -31,7 +31,7 @@ from .kv_cache import Attend
 
 
 class StaticCache:
-    """Fixed (n_layer, B, Hkv, max_len, D) slabs; one prefill, then single-token steps at `input_pos`."""
+    """Fixed (B, Hkv, max_len, D) slabs per layer; one prefill, then single-token steps at `input_pos`."""
 
     def __init__(self, n_layer: int, batch_size: int, max_len: int, n_kv_heads: int, d_head: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
@@ -39,9 +39,12 @@ class StaticCache:
                             ("n_kv_heads", n_kv_heads), ("d_head", d_head)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        shape = (n_layer, batch_size, n_kv_heads, max_len, d_head)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (batch_size, n_kv_heads, max_len, d_head)
+        # One tensor per layer, not one (n_layer, ...) tensor sliced by layer: inductor writes a token in
+        # place into a tensor the graph receives, but a write into a VIEW of one (k[layer]) it turned into
+        # a copy of the whole slab every step (measured: the step slowed as max_len grew).
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         # True = the slot may hold a real token. Only prompt padding is ever False, so together with
         # `slot <= input_pos` it is the whole key mask of a decode step.
         self.key_padding_mask = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
@@ -51,7 +54,7 @@ class StaticCache:
         self.prefix_len = 0  # slots [0, prefix_len) written by the eager prefill
         self.prefix_has_padding = False
         if torch.device(device).type == "cuda":  # CUDA graphs replay fixed addresses: say these never move
-            for t in (self.k, self.v, self.key_padding_mask, self.next_position, self.input_pos, self.slots):
+            for t in (*self.k, *self.v, self.key_padding_mask, self.next_position, self.input_pos, self.slots):
                 torch._dynamo.mark_static_address(t)
 
     @classmethod
@@ -64,11 +67,11 @@ class StaticCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in (*self.k, *self.v))
 
     def reset(self) -> None:
         """Forget everything (the slabs are kept, in place, so a compiled step keeps its addresses)."""
@@ -107,10 +110,11 @@ class StaticCache:
         """Keep this layer's k, v (B, Hkv, T, D); return the attention output (B, H, T, D)."""
         if q.shape[2] > 1:  # the eager prefill: attend over the prompt's own slots only
             T = self.prefix_len
-            self.k[layer, :, :, :T].copy_(k)
-            self.v[layer, :, :, :T].copy_(v)
+            k_prefix, v_prefix = self.k[layer][:, :, :T], self.v[layer][:, :, :T]  # (B, Hkv, T, D) views
+            k_prefix.copy_(k)
+            v_prefix.copy_(v)
             mask = self.key_padding_mask[:, :T] if self.prefix_has_padding else None
-            return attend(q, self.k[layer, :, :, :T], self.v[layer, :, :, :T], mask)
+            return attend(q, k_prefix, v_prefix, mask)
         write_pos = self.input_pos - 1  # (1,) the slot begin() took for this token
         k_all, v_all = self.k[layer], self.v[layer]  # (B, Hkv, max_len, D): the same shape every step
         k_all.index_copy_(2, write_pos, k)
