@@ -1,0 +1,314 @@
+"""The docs are checked like code: every file, `file::name`, `file:line`, `Class.member` and test name a
+page cites must exist; quoted command output must match a fresh run; every shell command in a page's
+code blocks either runs (the quick ones) or at least parses against the real argument parser.
+
+Pages: README.md, docs/*.md (new pages are picked up as they land) and exercises/README.md.
+
+What is not run, and why (each such command is still checked for what can be checked cheaply):
+- `mini-transformer train | sample | bench`, `torchrun`, `python benchmarks/...`: minutes of work or a
+  trained checkpoint; their flags are parsed by the CLI's parser / looked up in the benchmark script.
+- `pytest ...`: the suite itself (an exercise grader even fails on purpose until the learner solves
+  it); the files it names must exist and each `-k` word must select at least one test.
+- anything else (curl against a server, ...): reported as skipped with the reason.
+Quick commands (`mini-transformer info | trace`) run in-process: about a second each.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import io
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "exercises").glob("*.md")])
+CODE_DIRS = ("src", "tests", "benchmarks", "exercises", "docs")
+# Files a page names that live in other projects, and where.
+FOREIGN_FILES = {
+    "prepare.py": "nanoGPT's data/shakespeare_char/prepare.py",
+    "model.py": "nanoGPT's model file",
+}
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
+OUTPUT_OF = re.compile(r"<!--\s*output-of:\s*(.+?)\s*-->\s*\n```[^\n]*\n(.*?)^```", re.S | re.M)
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@functools.cache
+def repo_files() -> tuple[str, ...]:
+    return tuple(rel(p) for d in CODE_DIRS for p in (ROOT / d).rglob("*")
+                 if p.is_file() and "__pycache__" not in p.parts)
+
+
+def resolve(path: str) -> list[str]:
+    """Repository files whose path is `path` or ends with `/path`."""
+    return [f for f in repo_files() if f == path or f.endswith("/" + path)]
+
+
+@functools.cache
+def defined_names(path: str) -> frozenset[str]:
+    """Every def/class (also as Class.member), module-level assignment and class field in a file."""
+    tree = ast.parse((ROOT / path).read_text())
+    names: set[str] = set()
+
+    def visit(body, prefix=""):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.update({node.name, prefix + node.name})
+                if isinstance(node, ast.ClassDef):
+                    visit(node.body, node.name + ".")
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names.update(prefix + t.id for t in targets if isinstance(t, ast.Name))
+        return names
+
+    return frozenset(visit(tree.body))
+
+
+@functools.cache
+def project_index() -> dict[str, frozenset[str]]:
+    """file -> names, for every Python file of the project."""
+    return {f: defined_names(f) for f in repo_files() if f.endswith(".py")}
+
+
+def defined_anywhere(name: str, prefixes=("src/", "tests/", "benchmarks/", "exercises/", "docs/")) -> bool:
+    return any(name in names for f, names in project_index().items() if f.startswith(prefixes))
+
+
+@functools.cache
+def project_classes() -> frozenset[str]:
+    return frozenset(n for f, names in project_index().items() if f.startswith("src/")
+                     for n in names if "." not in n and n[:1].isupper())
+
+
+@functools.cache
+def function_params() -> dict[str, set[str] | None]:
+    """Project function name -> its parameter names (None when it takes **kwargs or the name is ambiguous)."""
+    params: dict[str, set[str] | None] = {}
+    for f in repo_files():
+        if not f.startswith("src/") or not f.endswith(".py"):
+            continue
+        for node in ast.walk(ast.parse((ROOT / f).read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]}
+                params[node.name] = None if (a.kwarg or node.name in params) else names
+    return params
+
+
+def prose(text: str) -> str:
+    """The page without its fenced code blocks."""
+    return FENCE.sub("", text)
+
+
+def inline_spans(text: str) -> list[str]:
+    return re.findall(r"`([^`\n]+)`", prose(text))
+
+
+PATH = r"((?:[A-Za-z0-9_.-]+/)*[A-Za-z0-9_.-]+\.(?:py|md|png))"
+COMMAND_START = ("uv run ", "mini-transformer ", "python ", "torchrun ")
+
+
+def references(page: Path) -> list[tuple[str, str]]:
+    """(kind, reference) pairs cited in the page's prose (inline commands are checked as commands)."""
+    text = prose(page.read_text())
+    refs = [("link", f"{rel(page.parent)}/{m.group(1)}") for m in re.finditer(r"\]\(([^)#\s]+)\)", text)
+            if "://" not in m.group(1)]
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    spans = [s for s in inline_spans(text) if not s.startswith(COMMAND_START)]
+    plain = re.sub(r"`[^`\n]+`", " ", text)
+    for chunk in [*spans, plain]:
+        for m in re.finditer(PATH + r"(?:(::)([\w.]+(?:\s*,\s*[\w.]+)*)|:(\d+))?", chunk):
+            path, sep, names, line = m.groups()
+            refs.append(("file", path))
+            if sep:
+                refs += [("name", f"{path}::{n.strip()}") for n in names.split(",")]
+            if line:
+                refs.append(("line", f"{path}:{line}"))
+    for span in spans:
+        for m in re.finditer(r"(?<![\w/.:])(test_\w+)\b(?!\.py)", span):
+            refs.append(("test", m.group(1)))
+        for m in re.finditer(r"(?<![\w.])([A-Z]\w+)\.([A-Za-z_]\w*)", span):
+            refs.append(("member", f"{m.group(1)}.{m.group(2)}"))
+        for m in re.finditer(r"(?<![\w.])([a-z_]\w*)\(([^()]*)\)", span):
+            refs.append(("call", f"{m.group(1)}({m.group(2)})"))
+    return refs
+
+
+def check_reference(kind: str, ref: str) -> str | None:
+    """None when the reference holds, else what is wrong."""
+    if kind == "link":
+        target = ref.removeprefix("./").removeprefix("./")
+        return None if (ROOT / target).exists() else f"the link target {target!r} does not exist"
+    if kind == "file":
+        base = ref.split("/")[-1]
+        ours = "/" not in ref or ref.split("/")[0] in (*CODE_DIRS, "attention", "engine", "server", "parallel",
+                                                       "mini_transformer", "img")
+        if not ours or base in FOREIGN_FILES:
+            return None
+        return None if resolve(ref) else f"no file {ref!r} in the repository"
+    if kind in ("name", "line"):
+        path, _, rest = ref.partition("::") if kind == "name" else ref.rpartition(":")
+        files = [f for f in resolve(path) if f.endswith(".py")]
+        if len(files) != 1:
+            return f"{path!r} matches {len(files)} files"
+        if kind == "line":
+            n_lines = len((ROOT / files[0]).read_text().splitlines())
+            return None if 1 <= int(rest) <= n_lines else f"{files[0]} has {n_lines} lines, not {rest}"
+        return None if rest in defined_names(files[0]) else f"{files[0]} defines no {rest!r}"
+    if kind == "test":
+        return None if defined_anywhere(ref, ("tests/", "exercises/")) else f"no test named {ref!r}"
+    if kind == "member":
+        cls, member = ref.split(".")
+        if cls not in project_classes():
+            return None  # torch.Tensor, HF classes, ...: not ours
+        return None if defined_anywhere(ref, ("src/",)) else f"class {cls} has no member {member!r}"
+    if kind == "call":
+        name, args = ref[:-1].split("(", 1)
+        params = function_params().get(name)
+        if not params:
+            return None
+        words = {w for w in re.findall(r"(\w+)\s*=(?!=)", args)}
+        missing = sorted(words - params)
+        return f"{name}() takes no argument named {missing}" if missing else None
+    raise AssertionError(kind)
+
+
+CASES = [(rel(page), kind, ref) for page in PAGES for kind, ref in dict.fromkeys(references(page))]
+
+
+@pytest.mark.parametrize(("page", "kind", "ref"), CASES, ids=[f"{p}:{r}" for p, _, r in CASES])
+def test_cited_code_exists(page, kind, ref):
+    problem = check_reference(kind, ref)
+    assert problem is None, f"{page} cites {ref!r}: {problem}"
+
+
+def test_the_checker_catches_wrong_references():
+    """The checker itself: a wrong file, name, line, test, member and keyword are all reported."""
+    assert check_reference("file", "DESIGN.md")
+    assert check_reference("file", "src/mini_transformer/nope.py")
+    assert check_reference("name", "attention/mask.py::no_such_function")
+    assert check_reference("line", "attention/mask.py:100000")
+    assert check_reference("test", "test_that_does_not_exist")
+    assert check_reference("member", "KVCache.no_such_method")
+    assert check_reference("call", "rope_tables(max_seq_len, d_head, base=10000)")
+    assert check_reference("name", "attention/mask.py::causal_mask") is None
+    assert check_reference("member", "TransformerLM.forward") is None
+    assert check_reference("call", "rope_tables(max_seq_len, d_head, theta=10000)") is None
+
+
+# ------------------------------------------------------------------------------ code blocks
+def shell_commands(page: Path) -> list[str]:
+    """Each command line of the page's bash/sh/shell blocks, comments and continuation joined."""
+    commands = []
+    for lang, body in FENCE.findall(page.read_text()):
+        if lang not in ("bash", "sh", "shell", "console"):
+            continue
+        for line in body.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip().removeprefix("$ ")
+            if line and not line.startswith("#"):
+                commands.append(line)
+    commands += [s for s in inline_spans(page.read_text()) if is_inline_command(s)]
+    return commands
+
+
+def is_inline_command(span: str) -> bool:
+    """`uv run ...` or a command with flags; a bare mention (`mini-transformer sample`) or a template
+    (`bench decode|attention|train [args]`) is prose."""
+    return span.startswith(COMMAND_START) and ("--" in span or span.startswith("uv run ")) \
+        and not re.search(r"[|\[<]|\.\.\.|…", span)
+
+
+def cli_argv(words: list[str]) -> list[str] | None:
+    """The mini-transformer argv of a command, or None when the command is something else."""
+    if words[:3] == ["uv", "run", "mini-transformer"]:
+        return words[3:]
+    if words[:1] == ["mini-transformer"]:
+        return words[1:]
+    if "-m" in words and words[words.index("-m") + 1:][:1] == ["mini_transformer.cli"]:
+        return words[words.index("-m") + 2:]
+    return None
+
+
+def check_flags_in_script(script: Path, args: list[str]) -> None:
+    source = script.read_text()
+    for flag in (a.split("=")[0] for a in args if a.startswith("--")):
+        assert f'"{flag}"' in source, f"{rel(script)} has no option {flag}"
+
+
+def check_pytest_command(words: list[str]) -> None:
+    args = words[words.index("pytest") + 1:]
+    paths = [a.split("::")[0] for a in args if a.endswith(".py") or ".py::" in a]
+    for path in paths:
+        assert (ROOT / path).is_file(), f"no test file {path}"
+    if "-k" in args:
+        expr = args[args.index("-k") + 1]
+        names = {n for p in (paths or [f for f in repo_files() if "/test_" in f and f.endswith(".py")])
+                 for n in defined_names(p) if "test_" in n}
+        for word in re.findall(r"\w+", expr):
+            if word not in ("and", "or", "not"):
+                assert any(word.lower() in n.lower() for n in names), f"-k {word!r} selects no test"
+
+
+def run_cli(argv: list[str]) -> str:
+    from mini_transformer.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) in (0, None)
+    return out.getvalue()
+
+
+QUICK_SUBCOMMANDS = ("info", "trace")
+COMMANDS = [(rel(page), c) for page in PAGES for c in dict.fromkeys(shell_commands(page))]
+
+
+@pytest.mark.parametrize(("page", "command"), COMMANDS, ids=[f"{p}:{c}" for p, c in COMMANDS])
+def test_shell_commands_run_or_parse(page, command):
+    words = shlex.split(command)
+    argv = cli_argv(words)
+    if argv is not None:
+        from mini_transformer.cli import build_parser
+
+        args = build_parser().parse_args(argv)  # a wrong flag or choice exits with status 2
+        if args.command in QUICK_SUBCOMMANDS:
+            run_cli(argv)
+        elif args.command == "bench":
+            check_flags_in_script(ROOT / "benchmarks" / f"bench_{args.name}.py", args.script_args)
+    elif "pytest" in words:
+        check_pytest_command(words)
+    elif words[:1] == ["python"] and words[1:2] and words[1].startswith("benchmarks/"):
+        script = ROOT / words[1]
+        assert script.is_file(), f"no script {words[1]}"
+        check_flags_in_script(script, words[2:])
+    else:
+        pytest.skip(f"{page}: not a command this test knows how to check: {command}")
+
+
+PYTHON_BLOCKS = [(rel(page), i, body) for page in PAGES
+                 for i, (lang, body) in enumerate(FENCE.findall(page.read_text())) if lang == "python"]
+
+
+@pytest.mark.parametrize(("page", "index", "body"), PYTHON_BLOCKS, ids=[f"{p}#{i}" for p, i, _ in PYTHON_BLOCKS])
+def test_python_blocks_are_python(page, index, body):
+    ast.parse(body)  # a shell line or a typo inside a python block is a SyntaxError here
+
+
+OUTPUTS = [(rel(page), cmd, body) for page in PAGES for cmd, body in OUTPUT_OF.findall(page.read_text())]
+
+
+@pytest.mark.parametrize(("page", "command", "quoted"), OUTPUTS, ids=[f"{p}:{c}" for p, c, _ in OUTPUTS])
+def test_quoted_output_matches_a_fresh_run(page, command, quoted):
+    """A block marked `<!-- output-of: mini-transformer ... -->` must appear line for line in a fresh run."""
+    argv = cli_argv(shlex.split(command))
+    assert argv is not None and argv[0] in QUICK_SUBCOMMANDS, f"output-of must name a quick command: {command}"
+    fresh = [line.rstrip() for line in run_cli(argv).splitlines()]
+    for line in (q.rstrip() for q in quoted.splitlines()):
+        assert not line or line in fresh, f"{page}: {line!r} is not in the output of {command}"
