@@ -118,7 +118,7 @@ COMMAND_START = ("uv run ", "mini-transformer ", "python ", "torchrun ")
 
 def references(page: Path) -> list[tuple[str, str]]:
     """(kind, reference) pairs cited in the page's prose (inline commands are checked as commands)."""
-    text = prose(page.read_text())
+    text = re.sub(r"<!--.*?-->", "", prose(page.read_text()), flags=re.S)
     refs = [("link", f"{rel(page.parent)}/{m.group(1)}") for m in re.finditer(r"\]\(([^)#\s]+)\)", text)
             if "://" not in m.group(1)]
     text = re.sub(r"\]\([^)]*\)", "]", text)
@@ -258,11 +258,17 @@ def check_pytest_command(words: list[str]) -> None:
 
 
 def run_cli(argv: list[str]) -> str:
+    return _run_cli(tuple(argv))
+
+
+@functools.cache
+def _run_cli(argv: tuple[str, ...]) -> str:
+    """Each quick command runs once per session (pages quote `info --preset gpt2-small` several times)."""
     from mini_transformer.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(argv) in (0, None)
+        assert main(list(argv)) in (0, None)
     return out.getvalue()
 
 
@@ -290,6 +296,50 @@ def test_shell_commands_run_or_parse(page, command):
         check_flags_in_script(script, words[2:])
     else:
         pytest.skip(f"{page}: not a command this test knows how to check: {command}")
+
+
+# ------------------------------------------------------------------------------- glossary
+GLOSSARY_PAGE = ROOT / "docs" / "README.md"
+
+
+def avoided_terms() -> dict[str, str]:
+    """From docs/README.md's glossary table: a word never to write -> the project's word for it."""
+    text = GLOSSARY_PAGE.read_text()
+    section = text[text.index("## 术语表"):]
+    avoided = {}
+    for row in re.findall(r"^\|(.+)\|\s*$", section, re.M):
+        cells = [c.strip() for c in row.split("|")]
+        if len(cells) >= 3 and cells[2] and cells[2] not in ("不要写成", "---"):
+            avoided.update({word.strip(): cells[0] for word in cells[2].split("、")})
+    return avoided
+
+
+def test_the_glossary_lists_words_to_avoid():
+    assert {"补齐", "检查点", "内核", "朴素"} <= set(avoided_terms())
+
+
+@pytest.mark.parametrize("page", [rel(p) for p in PAGES if p.parent.name == "docs"])
+def test_pages_use_the_glossary_terms(page):
+    text = re.sub(r"`[^`\n]+`", " ", prose((ROOT / page).read_text()))
+    if page == rel(GLOSSARY_PAGE):
+        text = text[:text.index("## 术语表")]
+    for word, ours in avoided_terms().items():
+        assert word not in text, f"{page} writes {word!r}; the glossary (docs/README.md) says {ours!r}"
+
+
+# -------------------------------------------------------------------------------- roadmap
+NOT_BUILT = re.findall(r"^### (.+)\n<!--\s*not-built:\s*(\S+)\s*-->", (ROOT / "docs" / "roadmap.md").read_text(), re.M)
+
+
+def test_the_roadmap_marks_what_is_not_built():
+    assert len(NOT_BUILT) >= 4
+
+
+@pytest.mark.parametrize(("entry", "path"), NOT_BUILT, ids=[p for _, p in NOT_BUILT])
+def test_the_roadmap_is_still_true(entry, path):
+    """When a stage lands, its roadmap entry moves to the built table (with a link to its page)."""
+    assert not (ROOT / path).exists(), (
+        f"{path} exists now: move docs/roadmap.md's entry {entry!r} to the built table and link its page")
 
 
 PYTHON_BLOCKS = [(rel(page), i, body) for page in PAGES
