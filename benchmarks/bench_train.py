@@ -137,26 +137,30 @@ def speed(args, vocab_size: int, work: Path) -> list:
 
 
 def plot(rows: dict, speed_rows: list, path: str) -> None:
+    import matplotlib
     from matplotlib.figure import Figure
 
+    # Chinese labels need a CJK font (Debian: fonts-noto-cjk); without it only those glyphs are missing
+    matplotlib.rcParams["font.family"] = ["DejaVu Sans", "Noto Sans CJK SC"]
     fig = Figure(figsize=(11, 4.5))
     ax = fig.add_subplot(1, 2 if speed_rows else 1, 1)
     for name, row in rows.items():
         target, colour = MODELS[name]
         evals = row["result"].evals
-        ax.plot([e[0] for e in evals], [e[2] for e in evals], "o-", color=colour, label=f"{name} val")
-        ax.plot([e[0] for e in evals], [e[1] for e in evals], "--", color=colour, alpha=0.6, label=f"{name} train")
+        ax.plot([e[0] for e in evals], [e[2] for e in evals], "o-", color=colour, label=f"{name} 验证 val")
+        ax.plot([e[0] for e in evals], [e[1] for e in evals], "--", color=colour, alpha=0.6, label=f"{name} 训练 train")
         if target is not None:
-            ax.axhline(target, color="grey", linestyle=":", linewidth=0.8)
-    ax.set(xlabel="step", ylabel="loss (nats / char)", title="tiny shakespeare, char level")
+            ax.axhline(target, color=colour, linestyle=":", linewidth=1.2, label=f"{name} 目标 target ≤ {target}")
+    ax.axhline(NANOGPT_VAL, color="tab:red", linestyle="-.", linewidth=0.8, label=f"nanoGPT {NANOGPT_VAL} (val)")
+    ax.set(xlabel="训练步 step", ylabel="loss（nats / 字符 char）", title="tiny shakespeare，字符级 char level")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8, ncol=2)
     if speed_rows:
         bx = fig.add_subplot(1, 2, 2)
         bx.barh([r[0] for r in speed_rows], [r[1] for r in speed_rows], color="tab:blue")
         bx.axvline(NANOGPT_MS, color="tab:red", linestyle="--", label=f"nanoGPT {NANOGPT_MS:.0f} ms")
-        bx.axvline(SPEED_TARGET_MS, color="tab:green", linestyle=":", label=f"target {SPEED_TARGET_MS:.0f} ms")
-        bx.set(xlabel="ms / step (median)", title="training step time")
+        bx.axvline(SPEED_TARGET_MS, color="tab:green", linestyle=":", label=f"目标 target {SPEED_TARGET_MS:.0f} ms")
+        bx.set(xlabel="ms / step（中位数 median）", title="每步训练时间 training step time")
         bx.invert_yaxis()
         bx.legend()
     fig.tight_layout()
