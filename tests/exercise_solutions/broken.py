@@ -7,7 +7,48 @@ import types
 
 import torch
 
+from mini_transformer.generate import decode_step
+from mini_transformer.kv_cache import KVCache
+
 from . import ex2_rope
+
+
+class _PositionsFromZero(KVCache):
+    """Forgets the past when numbering: every pass starts again at position 0."""
+
+    def begin(self, idx, attention_mask):
+        super().begin(idx, attention_mask)
+        return torch.arange(idx.shape[1]).expand(idx.shape[0], -1)
+
+
+class _OverwritesTheStart(KVCache):
+    """Writes every pass's keys at slot 0 instead of after the old ones."""
+
+    def attend(self, layer, q, k, v, attend):
+        T = k.shape[2]
+        self.k[layer, :, :, :T] = k
+        self.v[layer, :, :, :T] = v
+        mask = self.key_padding_mask[:, :T] if self.has_padding else None
+        return attend(q, self.k[layer, :, :, :T], self.v[layer, :, :, :T], mask)
+
+
+class _CountsPadding(KVCache):
+    """Numbers padded slots like real tokens."""
+
+    def begin(self, idx, attention_mask):
+        start = self.length
+        super().begin(idx, attention_mask)
+        self.next_position.fill_(self.length)
+        return torch.arange(start, self.length).expand(idx.shape[0], -1)
+
+
+def _top_p_without_the_crossing_token(logits, top_p):
+    """Keeps only tokens whose cumulative probability stays within top_p: the crossing token is lost."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    drop_sorted = cumulative > top_p
+    drop_sorted[..., 0] = False
+    return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
 
 
 def _attention_filling(value):
@@ -60,6 +101,14 @@ BROKEN = {
     "ex2_rope": {
         "neighbouring pairs (2i, 2i+1)": types.SimpleNamespace(
             rope_tables=ex2_rope.rope_tables, rotate_half=ex2_rope.rotate_half, apply_rope=_rope_interleaved_pairs),
+    },
+    "ex4_kv_cache": {
+        "positions restart at 0 every step": types.SimpleNamespace(KVCache=_PositionsFromZero, decode_step=decode_step),
+        "new keys overwrite slot 0": types.SimpleNamespace(KVCache=_OverwritesTheStart, decode_step=decode_step),
+        "padding counted in positions": types.SimpleNamespace(KVCache=_CountsPadding, decode_step=decode_step),
+    },
+    "ex5_top_p": {
+        "the token that crosses top_p dropped": types.SimpleNamespace(top_p_filter=_top_p_without_the_crossing_token),
     },
     "ex3_online_softmax": {
         "alpha rescale dropped": types.SimpleNamespace(online_softmax_attention=_online_softmax_without_alpha),
