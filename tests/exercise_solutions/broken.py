@@ -10,7 +10,25 @@ import torch
 from mini_transformer.generate import decode_step
 from mini_transformer.kv_cache import KVCache
 
-from . import ex2_rope
+from . import ex2_rope, ex6_modern_block, ex7_lr_schedule
+
+
+def _gqa_modulo(q, k, v):
+    """Query head h paired with kv head h % Hkv: a valid-looking grouping, but not Llama's."""
+    H, Hkv = q.shape[1], k.shape[1]
+    index = torch.arange(H) % Hkv
+    return torch.softmax(q @ k[:, index].transpose(-2, -1) / math.sqrt(q.shape[-1]), -1) @ v[:, index]
+
+
+def _swiglu_gate_swapped(x, w_gate, w_up, w_down):
+    return (x @ w_gate.T * torch.nn.functional.silu(x @ w_up.T)) @ w_down.T
+
+
+def _warmup_from_zero(step, lr_max, lr_min, warmup, decay_steps):
+    """Step 0 gets lr 0: a wasted first step."""
+    if step < warmup:
+        return lr_max * step / warmup
+    return ex7_lr_schedule.lr_at(step, lr_max, lr_min, warmup, decay_steps)
 
 
 class _PositionsFromZero(KVCache):
@@ -109,6 +127,17 @@ BROKEN = {
     },
     "ex5_top_p": {
         "the token that crosses top_p dropped": types.SimpleNamespace(top_p_filter=_top_p_without_the_crossing_token),
+    },
+    "ex6_modern_block": {
+        "query head h uses kv head h % Hkv": types.SimpleNamespace(
+            rms_norm=ex6_modern_block.rms_norm, swiglu=ex6_modern_block.swiglu,
+            llama_ffn_size=ex6_modern_block.llama_ffn_size, gqa_attention=_gqa_modulo),
+        "silu on the up branch": types.SimpleNamespace(
+            rms_norm=ex6_modern_block.rms_norm, swiglu=_swiglu_gate_swapped,
+            llama_ffn_size=ex6_modern_block.llama_ffn_size, gqa_attention=ex6_modern_block.gqa_attention),
+    },
+    "ex7_lr_schedule": {
+        "warmup starts at lr 0": types.SimpleNamespace(lr_at=_warmup_from_zero),
     },
     "ex3_online_softmax": {
         "alpha rescale dropped": types.SimpleNamespace(online_softmax_attention=_online_softmax_without_alpha),
