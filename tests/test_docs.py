@@ -327,6 +327,30 @@ def test_pages_use_the_glossary_terms(page):
         assert word not in text, f"{page} writes {word!r}; the glossary (docs/README.md) says {ours!r}"
 
 
+# ------------------------------------------------------------------------------- arithmetic
+ARITHMETIC = re.compile(r"(?<![\w.·/^])((?:\d+(?:\.\d+)?\s*[·×+−]\s*)+\d+(?:\.\d+)?)\s*=\s*"
+                        r"(\d{1,3}(?:[ ,]\d{3})+|\d+(?:\.\d+)?)(?![\w.^²])")
+SUMS = [(rel(page), expr, value) for page in PAGES for expr, value in ARITHMETIC.findall(page.read_text())]
+
+
+def sum_is_right(expr: str, value: str) -> bool:
+    got = eval(expr.replace("·", "*").replace("×", "*").replace("−", "-"), {"__builtins__": {}})
+    want = float(value.replace(",", "").replace(" ", ""))
+    return abs(got - want) <= 1e-9 * max(1.0, abs(want))
+
+
+def test_pages_do_some_arithmetic():
+    assert len(SUMS) >= 5  # the pages' worked sums are still found
+    assert ARITHMETIC.findall("每层 2·12·12·64·2 = 36,864 字节") == [("2·12·12·64·2", "36,864")]
+    assert not sum_is_right("2·12·12·64·4", "73 727") and sum_is_right("2·12·12·64·4", "73 728")
+
+
+@pytest.mark.parametrize(("page", "expr", "value"), SUMS, ids=[f"{p}:{e}" for p, e, _ in SUMS])
+def test_worked_arithmetic_is_right(page, expr, value):
+    """`2·12·12·64·2 = 36,864`-style sums written in a page (· and × multiply, thousands may be grouped)."""
+    assert sum_is_right(expr, value), f"{page}: {expr} is not {value}"
+
+
 # -------------------------------------------------------------------------------- roadmap
 NOT_BUILT = re.findall(r"^### (.+)\n<!--\s*not-built:\s*(\S+)\s*-->", (ROOT / "docs" / "roadmap.md").read_text(), re.M)
 
