@@ -250,6 +250,8 @@ def machine_info(probe: dict) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None, help="folder for everything (default out/gpu-check-<date>)")
+    p.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results",
+                   help="where gpu-<date>.md goes besides --out")
     p.add_argument("--budget", type=float, default=470, help="seconds for all stages together (default 470)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma list, in this order: {','.join(STAGES)}")
     p.add_argument("--attn-batch", type=int, default=4, help="bench-attention batch (H=8, D=64)")
@@ -265,15 +267,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def write_results(out: Path, info: dict, stages: list[Stage], seconds: float, budget: float) -> Path:
-    """gpu-<date>.md into `out` and benchmarks/results/, and every stage's output into out/gpu-check.log."""
+def write_results(out: Path, results: Path, info: dict, stages: list[Stage], seconds: float, budget: float) -> Path:
+    """gpu-<date>.md into `out` and `results`, and every stage's output into out/gpu-check.log."""
     day = info["date"][:10]
+    for folder in (out, results):
+        folder.mkdir(parents=True, exist_ok=True)
     with open(out / "gpu-check.log", "w", encoding="utf-8") as log:
         for s in stages:
             log.write(f"\n===== {s.name}: {s.status} in {s.seconds:.0f} s: {s.summary}\n{s.output}\n")
     text = rep.assemble_report(info, stages, seconds, budget)
-    results = ROOT / "benchmarks" / "results"
-    results.mkdir(parents=True, exist_ok=True)
     for folder in (out, results):
         (folder / f"gpu-{day}.md").write_text(text, encoding="utf-8")
     return results / f"gpu-{day}.md"
@@ -300,7 +302,7 @@ def main(argv=None) -> int:
         for stage in new:
             print(rep.summary_line(stage), flush=True)
         stages += new
-    path = write_results(out, machine_info(probe), stages, time.monotonic() - start, args.budget)
+    path = write_results(out, args.results_dir, machine_info(probe), stages, time.monotonic() - start, args.budget)
     print(f"\nresults: {path} (and {out})\n" + "\n".join(rep.summary_line(s) for s in stages))
     return 0 if all(s.status in ("PASS", "SKIP") for s in stages) else 1
 
