@@ -178,7 +178,14 @@ def sweep(args) -> list[dict]:
             if args.device == "cuda":
                 row["tflops"] = causal_flops(T, mode, args) / (row["ms"] / 1e3) / 1e12
         results.append(row)
+        save_json(results, args)  # after every case, so that a run stopped halfway still leaves its rows
     return results
+
+
+def save_json(results: list[dict], args) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 def print_table(results: list[dict], args) -> None:
@@ -286,9 +293,7 @@ def main(argv=None) -> None:
         return
     results = sweep(args)
     print_table(results, args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    save_json(results, args)
     if args.plot:
         plot(results, args)
 

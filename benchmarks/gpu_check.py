@@ -138,7 +138,7 @@ def bench_attention(ctx: Context) -> list[Stage]:
            "1024,4096,16384", "--batch", ctx.args.attn_batch, "--sdpa-kernel", "flash", "--mem-limit-gb", "80",
            "--seconds", "1", "--max-repeats", "50", "--plot", "--out-dir", ctx.out, "--json", json_path]
     rows = lambda: json.loads(json_path.read_text()) if json_path.exists() else []  # noqa: E731
-    return [ctx.run("bench-attention", cmd, 170, lambda rc, out: rc == 0 and rep.attention_summary(rows())[0],
+    return [ctx.run("bench-attention", cmd, 200, lambda rc, out: rc == 0 and rep.attention_summary(rows())[0],
                     lambda out: rep.attention_summary(rows())[1],
                     lambda out: rep.attention_markdown(rows()) + "\n\n" + rep.code_block(rep.section_from(out, "B=")),
                     TRITON_INTERPRET="0")]
@@ -213,7 +213,7 @@ def pick_python(env: dict, deadline: float) -> tuple[list[str] | None, dict, lis
     if os.environ.get("GPU_CHECK_PYTHON"):
         candidates.append(([os.environ["GPU_CHECK_PYTHON"]], "GPU_CHECK_PYTHON with PYTHONPATH=src"))
     elif shutil.which("uv"):
-        rc, output, seconds = run_command(["uv", "sync"], min(90, deadline - time.monotonic()), env)
+        rc, output, seconds = run_command(["uv", "sync"], min(60, deadline - time.monotonic()), env)
         sync = Stage("uv-sync", "PASS" if rc == 0 else "SKIP", seconds, "", output)
         sync.summary = "uv sync done" if rc == 0 else f"uv sync failed ({rep.tail(output, 1)[:120]}): no uv run"
         stages.append(sync)
