@@ -184,6 +184,7 @@ def sweep(args) -> list[dict]:
 
 def save_json(results: list[dict], args) -> None:
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
 

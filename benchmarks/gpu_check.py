@@ -160,8 +160,7 @@ def train(ctx: Context) -> list[Stage]:
 def bench_decode(ctx: Context) -> list[Stage]:
     cmd = [*ctx.python, "benchmarks/bench_decode.py", "--device", "cuda", "--lengths", "64", "256", "--repeats",
            "3", "--plot", ctx.out / "decode.png"]
-    last_row = lambda out: " ".join(rep.tail(out, 1).split())  # noqa: E731  the table's last row
-    return [ctx.run("bench-decode", cmd, 100, lambda rc, out: rc == 0, last_row,
+    return [ctx.run("bench-decode", cmd, 100, lambda rc, out: rc == 0, rep.last_table_row,
                     lambda out: rep.code_block(rep.section_from(out, "GPT-2 arch")))]
 
 

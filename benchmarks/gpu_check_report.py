@@ -64,6 +64,12 @@ def section_from(output: str, prefix: str, fallback_lines: int = 30) -> str:
     return "\n".join(lines[starts[-1]:]).strip() if starts else tail(output, fallback_lines)
 
 
+def last_table_row(output: str) -> str:
+    """The last line that looks like a row of a benchmark's text table ('  256 |  281.1 | ...'), squeezed."""
+    rows = [line for line in _screen_lines(output) if re.match(r"\s*\d+\s*\|", line)]
+    return " ".join((rows[-1] if rows else tail(output, 1)).split())
+
+
 def markdown_lines(output: str) -> str:
     """The markdown table rows a worker printed."""
     return "\n".join(line for line in _screen_lines(output) if line.startswith("|"))

@@ -83,6 +83,13 @@ def test_pytest_summary_lines_are_counted(gpu_check):
     assert counts("no summary here") == {}
 
 
+def test_a_benchmark_table_gives_its_last_row(gpu_check):
+    last_table_row = gpu_check.rep.last_table_row
+    table = ("new tokens |  cache tok/s | no-cache tok/s\n-----------\n        64 |   258.5 |  87.8\n"
+             "       256 |   281.1 |  44.2\nplot written to decode.png\n")
+    assert last_table_row(table) == "256 | 281.1 | 44.2"
+
+
 def fake_attention_rows() -> list[dict]:
     rows = []
     for mode, scale in (("fwd", 1.0), ("fwd+bwd", 3.5)):
