@@ -140,7 +140,8 @@ def bench_attention(ctx: Context) -> list[Stage]:
     rows = lambda: json.loads(json_path.read_text()) if json_path.exists() else []  # noqa: E731
     return [ctx.run("bench-attention", cmd, 200, lambda rc, out: rc == 0 and rep.attention_summary(rows())[0],
                     lambda out: rep.attention_summary(rows())[1],
-                    lambda out: rep.attention_markdown(rows()) + "\n\n" + rep.code_block(rep.section_from(out, "B=")),
+                    lambda out: "\n\n".join(filter(None, [rep.attention_markdown(rows()),
+                                                            rep.code_block(rep.section_from(out, "B="))])),
                     TRITON_INTERPRET="0")]
 
 

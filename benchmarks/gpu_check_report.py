@@ -52,8 +52,8 @@ def _screen_lines(output: str) -> list[str]:
 
 
 def tail(output: str, lines: int = 30) -> str:
-    """The end of an output, progress bars left out."""
-    kept = [line for line in _screen_lines(output) if line.strip() and not re.search(r"\d+/\d+ \[\d", line)]
+    """The end of an output as the screen would show it (a progress bar in its last state)."""
+    kept = [line for line in _screen_lines(output) if line.strip()]
     return "\n".join(kept[-lines:])
 
 
@@ -100,8 +100,8 @@ def attention_summary(rows: list[dict], T: int = 4096) -> tuple[bool, str]:
 
 
 def _attention_cell(row: dict) -> str:
-    if "tflops" in row:
-        return f"{row['ms']:.3g} ({row['tflops']:.1f})"
+    if "ms" in row:
+        return f"{row['ms']:.3g} ({row['tflops']:.1f})" if "tflops" in row else f"{row['ms']:.3g}"
     return "skipped" if "skipped" in row else "error" if "error" in row else "-"
 
 
@@ -109,6 +109,8 @@ def attention_markdown(rows: list[dict]) -> str:
     """One line per (mode, T): each backend's ms (TFLOP/s), and triton / sdpa in TFLOP/s."""
     backends = [b for b in ("naive", "sdpa", "tiled", "triton") if any(r["backend"] == b for r in rows)]
     by_key = {(r["mode"], r["T"], r["backend"]): r for r in rows}
+    if not rows:
+        return ""
     lines = ["| mode | T | " + " | ".join(f"{b} ms (TFLOP/s)" for b in backends) + " | triton / sdpa |",
              "|---|---:|" + "---:|" * (len(backends) + 1)]
     for mode, T in dict.fromkeys((r["mode"], r["T"]) for r in rows):
@@ -131,10 +133,10 @@ def assemble_report(info: dict, stages: list[Stage], seconds: float, budget: flo
     lines += [f"| {s.name} | {s.status} | {s.seconds:.0f} | {s.summary.replace('|', '/')} |" for s in stages]
     for s in stages:
         lines += ["", f"## {s.name}: {s.status}", ""]
-        body = s.report or (f"```\n{tail(s.output)}\n```" if s.output.strip() else s.summary)
+        body = s.report or code_block(tail(s.output)) or s.summary
         lines.append(body)
     return "\n".join(lines) + "\n"
 
 
 def code_block(text: str) -> str:
-    return f"```\n{text}\n```"
+    return f"```\n{text}\n```" if text.strip() else ""

@@ -116,6 +116,11 @@ def test_attention_rows_give_the_triton_to_sdpa_ratio_and_a_table(gpu_check):
                         "triton ms (TFLOP/s) | triton / sdpa |")
     assert len(table) == 2 + 4  # header, rule, (fwd, fwd+bwd) x (1024, 4096)
     assert table[5].startswith("| fwd+bwd | 4096 | skipped | ") and table[5].endswith("(340.0) | 0.85 |")
+    # a run stopped halfway, or a CPU run (no TFLOP/s): the times that exist, and no table for no rows
+    partial = [dict(backend="naive", T=64, mode="fwd", ms=12.34, peak_mb=1.0, runs=3)]
+    assert rep.attention_markdown(partial).splitlines()[2] == "| fwd | 64 | 12.3 | - |"
+    assert rep.attention_markdown([]) == "" and rep.attention_summary([]) == (False, "no triton and sdpa timings "
+                                                                                    "at T=4096")
 
 
 def test_results_file_from_made_up_stages(gpu_check, tmp_path):
