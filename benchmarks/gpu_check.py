@@ -1,7 +1,8 @@
 """One prepared check of everything CUDA-side, in one go on a lent GPU (at most 8 minutes).
 
     python3 benchmarks/gpu_check.py                    # results in out/gpu-check-<date>/ and benchmarks/results/
-    python3 benchmarks/gpu_check.py --out "$OUT"       # on the device machine: that folder comes back
+    python3 benchmarks/gpu_check.py --out "$OUT"       # on a lent device machine: that folder comes back;
+                                                       # then copy its gpu-<date>.md into benchmarks/results/
     python3 benchmarks/gpu_check.py --stages bench-attention,train   # rerun some stages only
 
 Stages, each a subprocess with its own time limit, all inside --budget seconds:
@@ -13,6 +14,7 @@ Stages, each a subprocess with its own time limit, all inside --budget seconds:
   bench-decode      bench_decode.py --device cuda with every decode method it has
   cuda-tests        every other test with a cuda case (pytest tests -k cuda), if there is one
   extras            every other benchmarks/bench_*.py that takes --device (engine, quantization, ...), on cuda
+Limits (s): 150, 60, 200, 180, 100, 120, 60 per extra; on an H200 they should take about 60, 20, 130, 90, 40.
 Python: `uv sync` + `uv run` where uv exists and its torch sees the GPU; else this interpreter with
 PYTHONPATH=src (the lent machines have no network and no uv; their python3 has torch, triton and pytest).
 The folder gets the results file, one log of every stage and the plots: at most 8 files, what the device
@@ -154,7 +156,7 @@ def train(ctx: Context) -> list[Stage]:
 
     cmd = [*ctx.python, "benchmarks/gpu_check_workers.py", "train", "--out-dir", ctx.out, "--steps",
            ctx.args.train_steps, "--data", ctx.args.train_data]
-    return [ctx.run("train", cmd, 150, lambda rc, out: rc == 0 and rep.last_json(out)["loss_falls"], summary,
+    return [ctx.run("train", cmd, 180, lambda rc, out: rc == 0 and rep.last_json(out)["loss_falls"], summary,
                     rep.markdown_lines)]
 
 
