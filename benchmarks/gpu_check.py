@@ -69,7 +69,10 @@ def run_command(cmd: list[str], limit: float, env: dict) -> tuple[int | None, st
         try:
             rc = proc.wait(timeout=max(limit, 1))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended on its own just now
+                pass
             proc.wait()
             rc = None
         log.seek(0)
