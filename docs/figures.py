@@ -69,7 +69,7 @@ def block_shapes() -> None:
         None,
         ("norm_f → lm_head", "(B, T, V)：每个位置对词表里每个 token 的 logit", "#dde8f5"),
     ]
-    fig, ax = plt.subplots(figsize=(8.2, 7.6))
+    fig, ax = plt.subplots(figsize=(9.6, 7.6))
     ax.set_axis_off()
     y, box_h, gap = 0.0, 0.62, 0.28
     top = bottom = None
@@ -81,16 +81,16 @@ def block_shapes() -> None:
                 bottom = y + gap / 2
             continue
         label, shape, colour = step
-        ax.add_patch(FancyBboxPatch((0, y - box_h), 6.4, box_h, boxstyle="round,pad=0.02", fc=colour, ec="black"))
+        ax.add_patch(FancyBboxPatch((0, y - box_h), 7.6, box_h, boxstyle="round,pad=0.02", fc=colour, ec="black"))
         ax.text(0.15, y - box_h / 2, label, va="center", fontsize=10)
-        ax.text(6.7, y - box_h / 2, shape, va="center", fontsize=9.5, family=["DejaVu Sans Mono", CJK_FONT],
+        ax.text(7.9, y - box_h / 2, shape, va="center", fontsize=9.5, family=["DejaVu Sans Mono", CJK_FONT],
                 color="#333333")
         if step is not steps[-1]:
-            ax.annotate("", (3.2, y - box_h - gap + 0.02), (3.2, y - box_h), arrowprops=dict(arrowstyle="->"))
+            ax.annotate("", (3.8, y - box_h - gap + 0.02), (3.8, y - box_h), arrowprops=dict(arrowstyle="->"))
         y -= box_h + gap
-    ax.add_patch(Rectangle((-0.25, bottom), 6.9, top - bottom, fill=False, ls="--", ec="#888888"))
+    ax.add_patch(Rectangle((-0.25, bottom), 8.1, top - bottom, fill=False, ls="--", ec="#888888"))
     ax.text(-0.35, (top + bottom) / 2, "× n_layer\n（pre-norm 块）", ha="right", va="center", fontsize=10)
-    ax.set_xlim(-2.4, 12.5)
+    ax.set_xlim(-2.6, 14.8)
     ax.set_ylim(y - 0.1, 0.15)
     ax.set_title("一次前向：每一步的张量形状\n（B 批大小，T 序列长，C = d_model，H 头数，D = d_head，V 词表）",
                  fontsize=10.5)
