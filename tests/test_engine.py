@@ -82,7 +82,7 @@ def test_requests_added_while_others_run(model, expected):
     assert [outputs[rid] for rid in sorted(ids, key=ids.get)] == expected
 
 
-def test_seeded_sampling_is_the_same_alone_or_in_a_batch(model):
+def test_seeded_sampling_is_the_same_alone_or_in_a_batch():
     model64 = make_model("llama").double()  # float64: batched and alone logits agree far below sampling noise
     prompts = make_prompts()
     params = [SamplingParams(max_tokens=8, temperature=1.0, top_k=20, seed=100 + i) for i in range(len(prompts))]
