@@ -55,3 +55,13 @@ def test_missing_prompts_are_a_clear_error(checkpoint, capsys, tmp_path):
     assert "--prompt" in capsys.readouterr().err
     assert main(["sample", "--checkpoint", str(path), "--prompts-file", str(tmp_path / "absent.txt")]) == 2
     assert "--prompts-file" in capsys.readouterr().err
+
+
+def test_bench_serving_runs_a_tiny_workload(capsys):
+    code = main(["bench", "serving", "--requests", "3", "--min-len", "2", "--max-len", "6", "--ways", "static",
+                 "--prefix-requests", "2", "--prefix-len", "8", "--suffix-len", "2", "--prefix-output", "2",
+                 "--block-size", "4"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| engine |" in out and "engine outputs equal to generate()'s: 3 of 3 requests" in out
+    assert "outputs with caching on equal those with it off: True" in out
