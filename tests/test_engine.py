@@ -166,3 +166,18 @@ def test_bad_engine_arguments(model):
         LLMEngine(model, num_blocks=4).add_request([1], {"max_tokens": 3})
     engine = LLMEngine(model, block_size=4, kv_cache_bytes=10**5)
     assert engine.stats()["kv_cache_bytes"] <= 10**5 and engine.num_blocks >= 1
+
+
+def test_triton_backend_walks_the_block_tables_in_its_kernel():
+    pytest.importorskip("triton")  # Triton's interpreter here (conftest sets TRITON_INTERPRET=1)
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=32, n_heads=2, n_kv_heads=1, n_layer=1, d_ff=32,
+                            max_seq_len=32, pos_emb="rope", init_std=0.2, attn_backend="triton")
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).eval()
+    prompts = make_prompts()[:3]
+    engine = LLMEngine(model, block_size=4, num_blocks=30, max_num_batched_tokens=8)
+    got = engine.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert got == [alone(model, p, 4) for p in prompts]
+    assert engine.stats()["mixed_steps"] > 0
+    with pytest.raises(ValueError, match="power of two"):
+        LLMEngine(model, block_size=3, num_blocks=4)

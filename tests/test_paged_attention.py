@@ -104,3 +104,25 @@ def test_paged_equals_contiguous_random_shapes(data, block_size, groups):
     query_lens = [data.draw(st.integers(1, n)) for n in context_lens]
     out, seqs, _, _ = run_paged(context_lens, query_lens, block_size, 4, 4 // groups, 4, torch.float64)
     torch.testing.assert_close(out, contiguous(seqs, torch.float64), atol=1e-12, rtol=0)
+
+
+def run_triton(context_lens, query_lens, block_size, H, Hkv, D):
+    from mini_transformer.attention.triton_paged import triton_paged_attention
+
+    tables, seqs, (q, k, v), k_cache, v_cache = scatter_sequences(
+        context_lens, query_lens, block_size, H, Hkv, D, torch.float32)
+    meta = PagedAttentionMetadata.build(tables, context_lens, query_lens, block_size)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = triton_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.token_seq, meta.token_pos, block_size)
+    return out, seqs
+
+
+@pytest.mark.parametrize("context_lens, query_lens, block_size, H, Hkv, D", [
+    ([5, 3, 1], [5, 1, 1], 1, 2, 2, 4),  # whole prompts and decode steps, one token per block
+    ([17, 8, 33], [4, 8, 16], 4, 4, 2, 8),  # suffix queries (prefill chunks, prefix hits), GQA
+    ([20, 6, 1], [1, 6, 1], 16, 4, 1, 6),  # MQA, a head size that is not a power of two
+])
+def test_triton_kernel_reading_the_block_table_equals_contiguous(context_lens, query_lens, block_size, H, Hkv, D):
+    pytest.importorskip("triton")  # runs in Triton's interpreter here (conftest sets TRITON_INTERPRET=1)
+    out, seqs = run_triton(context_lens, query_lens, block_size, H, Hkv, D)
+    assert (out - contiguous(seqs, torch.float32)).abs().max() <= 1e-6

@@ -63,6 +63,8 @@ class LLMEngine:
             raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
         cfg = model.config
         _positive_int("block_size", block_size)
+        if cfg.attn_backend == "triton" and block_size & (block_size - 1):
+            raise ValueError(f"block_size={block_size}: the triton backend's paged kernel needs a power of two")
         _positive_int("max_num_seqs", max_num_seqs)
         _positive_int("max_num_batched_tokens", max_num_batched_tokens)
         if not isinstance(enable_prefix_caching, bool):
