@@ -181,3 +181,27 @@ def test_triton_backend_walks_the_block_tables_in_its_kernel():
     assert engine.stats()["mixed_steps"] > 0
     with pytest.raises(ValueError, match="power of two"):
         LLMEngine(model, block_size=3, num_blocks=4)
+
+
+def test_a_failing_forward_pass_ends_its_requests_and_leaves_the_engine_usable(model, monkeypatch):
+    engine = LLMEngine(model, block_size=4, num_blocks=50)
+    prompt = make_prompts()[3]
+    engine.add_request(prompt, SamplingParams(max_tokens=5))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.runner, "execute_model", broken)
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.step()
+    stats = engine.stats()
+    assert not engine.has_unfinished_requests() and stats["blocks_in_use"] == 0 and stats["cached_blocks"] == 0
+    assert engine.generate([prompt], SamplingParams(max_tokens=5), use_tqdm=False)[0] == alone(model, prompt, 5)
+
+
+def test_repetition_penalty_sees_the_whole_sequence(model):
+    prompts = make_prompts()[:3]
+    params = SamplingParams(max_tokens=10, repetition_penalty=1.8)
+    got = LLMEngine(model, block_size=4, num_blocks=60).generate(prompts, params, use_tqdm=False)
+    assert got == [alone(model, p, params) for p in prompts]

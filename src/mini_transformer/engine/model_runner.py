@@ -97,7 +97,9 @@ class ModelRunner:
             params = seq.params
             if params.greedy and not params.repetition_penalty:
                 continue
-            previous = torch.tensor([seq.tokens], dtype=torch.long, device=self.device)  # (1, T)
+            previous = None  # the tokens so far matter only to the repetition penalty
+            if params.repetition_penalty:
+                previous = torch.tensor([seq.tokens], dtype=torch.long, device=self.device)  # (1, T)
             next_ids[row] = sample_next(logits[row:row + 1], params, previous_ids=previous,
                                         generator=seq.generator)[0]
         return next_ids
