@@ -2,6 +2,10 @@
 pool, its queries a suffix of its keys (decode, prefill chunk, prefix-cache hit) or all of them."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,3 +130,37 @@ def test_triton_kernel_reading_the_block_table_equals_contiguous(context_lens, q
     pytest.importorskip("triton")  # runs in Triton's interpreter here (conftest sets TRITON_INTERPRET=1)
     out, seqs = run_triton(context_lens, query_lens, block_size, H, Hkv, D)
     assert (out - contiguous(seqs, torch.float32)).abs().max() <= 1e-6
+
+
+COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from mini_transformer.attention import triton_paged as tp
+
+target = GPUTarget("cuda", 90, 32)
+backend = triton.compiler.make_backend(target)
+kernel = tp._paged_kernel
+for ty, block_size, head_dim in (("fp16", 16, 64), ("fp32", 1, 128), ("bf16", 4, 32)):
+    consts = dict(BLOCK_SIZE=block_size, BLOCK_D=head_dim)
+    pointers = dict(BLOCK_TABLES="*i32", TOKEN_SEQ="*i64", TOKEN_POS="*i64")
+    sig = {n: "constexpr" if n in consts else pointers.get(n, "*" + ty) if n.isupper()
+           else "fp32" if n == "scale" else "i32" for n in kernel.arg_names}
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts)
+    options = backend.parse_options(dict(num_warps=4, num_stages=1))
+    triton.compile(src, target=target, options=options.__dict__)
+print("compiled")
+"""
+
+
+def test_triton_paged_kernel_compiles_for_a_gpu(tmp_path):
+    """The interpreter never runs the Triton compiler: compile the kernel for sm_90 (no GPU needed), so
+    that GPU-only errors (a loop bound read from memory, scalar types in the loop) fail here."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if done.returncode != 0 and "ptxas" in done.stderr and "not found" in done.stderr.lower():
+        pytest.skip("this triton install has no ptxas to compile with")
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-2000:]
