@@ -4,6 +4,8 @@ arrival times. Seeded sampling is batch-independent. Bad requests fail alone, wi
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
 from mini_transformer.engine import LLMEngine
@@ -205,3 +207,30 @@ def test_repetition_penalty_sees_the_whole_sequence(model):
     params = SamplingParams(max_tokens=10, repetition_penalty=1.8)
     got = LLMEngine(model, block_size=4, num_blocks=60).generate(prompts, params, use_tqdm=False)
     assert got == [alone(model, p, params) for p in prompts]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), block_size=st.sampled_from([1, 2, 4, 16]), budget=st.integers(1, 24),
+       max_num_seqs=st.integers(1, 4), caching=st.booleans())
+def test_random_workloads_equal_generate(data, block_size, budget, max_num_seqs, caching):
+    """Random prompts (some sharing a prefix), budgets down to 1 token per step, pools barely larger than
+    the biggest request, requests arriving at random steps: every output equals generate() alone."""
+    model = make_model("llama")
+    base = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20))
+    prompts = [data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20)) for _ in range(4)]
+    prompts = [base + p if i % 2 else p for i, p in enumerate(prompts)]
+    max_tokens = data.draw(st.integers(1, 6))
+    biggest = -(-max(len(p) + max_tokens for p in prompts) // block_size)
+    engine = LLMEngine(model, block_size=block_size, num_blocks=biggest + data.draw(st.integers(0, 6)),
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_prefix_caching=caching)
+    arrivals = sorted(data.draw(st.lists(st.integers(0, 8), min_size=4, max_size=4)))
+    ids, outputs, step = {}, {}, 0
+    while len(ids) < len(prompts) or engine.has_unfinished_requests():
+        while len(ids) < len(prompts) and arrivals[len(ids)] <= step:
+            ids[engine.add_request(prompts[len(ids)], SamplingParams(max_tokens=max_tokens))] = len(ids)
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+        assert step < 1000
+    assert [outputs[rid] for rid in sorted(ids, key=ids.get)] == [alone(model, p, max_tokens) for p in prompts]
+    assert engine.stats()["blocks_in_use"] == 0
