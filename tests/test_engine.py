@@ -234,3 +234,27 @@ def test_random_workloads_equal_generate(data, block_size, budget, max_num_seqs,
         assert step < 1000
     assert [outputs[rid] for rid in sorted(ids, key=ids.get)] == [alone(model, p, max_tokens) for p in prompts]
     assert engine.stats()["blocks_in_use"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_engine_on_cuda_equals_generate(backend):
+    """On a GPU (benchmarks/gpu_check.py runs `pytest -k cuda` with TRITON_INTERPRET=0): the pool, the
+    paged attention (gathered for sdpa, the Triton kernel for triton) and sampling all on the device."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from mini_transformer.attention.triton_paged import _kernels_are_interpreted
+
+        if _kernels_are_interpreted():
+            pytest.skip("TRITON_INTERPRET=1: the kernels would not run on the GPU")
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=64, n_heads=4, n_kv_heads=2, n_layer=2, d_ff=128,
+                            max_seq_len=64, pos_emb="rope", norm="rmsnorm", ffn="swiglu", init_std=0.2,
+                            attn_backend=backend)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).to("cuda").eval()
+    prompts = make_prompts()
+    engine = LLMEngine(model, block_size=4, num_blocks=40, max_num_batched_tokens=16)
+    got = engine.generate(prompts, SamplingParams(max_tokens=10), use_tqdm=False)
+    assert got == [generate(model, torch.tensor([p], device="cuda"), 10)[0].tolist() for p in prompts]
+    stats = engine.stats()
+    assert stats["mixed_steps"] > 0 and stats["blocks_in_use"] == 0

@@ -164,3 +164,27 @@ def test_triton_paged_kernel_compiles_for_a_gpu(tmp_path):
     if done.returncode != 0 and "ptxas" in done.stderr and "not found" in done.stderr.lower():
         pytest.skip("this triton install has no ptxas to compile with")
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+def test_triton_kernel_on_cuda_equals_contiguous(dtype, tolerance):
+    pytest.importorskip("triton")
+    from mini_transformer.attention.triton_paged import _kernels_are_interpreted, triton_paged_attention
+
+    if _kernels_are_interpreted():
+        pytest.skip("TRITON_INTERPRET=1: the kernel would not run on the GPU")
+    context_lens, query_lens, block_size = [300, 17, 1, 64], [1, 17, 1, 20], 16
+    tables, seqs, (q, k, v), k_cache, v_cache = scatter_sequences(
+        context_lens, query_lens, block_size, 8, 2, 64, torch.float32)
+    meta = PagedAttentionMetadata.build(tables, context_lens, query_lens, block_size, "cuda")
+    to = dict(device="cuda", dtype=dtype)
+    k_cache, v_cache = k_cache.to(**to), v_cache.to(**to)
+    write_kv(k_cache, v_cache, k.to(**to), v.to(**to), meta.slot_mapping)
+    out = triton_paged_attention(q.to(**to), k_cache, v_cache, meta.block_tables, meta.token_seq, meta.token_pos,
+                                 block_size)
+    reference = contiguous([(a.to(dtype).double(), b.to(dtype).double(), c.to(dtype).double()) for a, b, c in seqs],
+                           torch.float64)
+    assert (out.double().cpu() - reference).abs().max() <= tolerance
+    gathered = paged_attention(q.to(**to), k_cache, v_cache, meta)
+    assert (gathered.double().cpu() - reference).abs().max() <= tolerance
