@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from .attention import attention
 from .config import TransformerConfig
 from .kv_cache import KVCache
-from .layers import make_ffn, make_norm
+from .layers import RMSNorm, make_ffn, make_norm
+from .moe import load_balancing_loss, moe_layers
 from .rope import RotaryEmbedding, apply_rope, sinusoidal_table
 
 
@@ -60,8 +61,12 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
-        self.W_qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head, bias=cfg.bias)
-        self.W_o = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        qkv_bias = cfg.bias if cfg.qkv_bias is None else cfg.qkv_bias
+        self.W_qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head, bias=qkv_bias)
+        self.W_o = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=cfg.bias)
+        # Qwen3: RMSNorm over each head's D dims of q and k keeps the scores' scale in check
+        self.q_norm = RMSNorm(cfg.d_head, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.d_head, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.attend = Attend(cfg.attn_backend, cfg.attn_pdrop)
 
     def forward(self, x, *, rope=None, key_padding_mask=None, cache: KVCache | None = None):
@@ -70,13 +75,15 @@ class MultiHeadAttention(nn.Module):
         qkv = self.W_qkv(x)  # (B, T, (H + 2*Hkv) * D)
         qkv = qkv.view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # (B, H + 2*Hkv, T, D)
         q, k, v = qkv.split([H, Hkv, Hkv], dim=1)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:  # RoPE turns q and k by their positions; v carries content only
             cos, sin = rope  # (B, 1, T, D)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, Tk, D) with the past prepended
         out = self.attend(q, k, v, key_padding_mask)  # (B, H, T, D)
-        out = out.transpose(1, 2).reshape(B, T, C)  # (B, T, C): heads concatenated again
+        out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D): heads concatenated again
         return self.W_o(out)
 
 
@@ -174,6 +181,10 @@ class TransformerLM(nn.Module):
             total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), flat,
                                     ignore_index=-100, reduction="sum")
             loss = total / (flat != -100).sum().clamp(min=1)  # mean over real targets; 0 if there are none
+            if self.training and self.config.ffn == "moe" and self.config.moe_aux_loss_coef > 0:
+                router_logits = [moe.router_logits for moe in moe_layers(self)]
+                aux = load_balancing_loss(router_logits, self.config.n_experts_per_tok, keep)
+                loss = loss + self.config.moe_aux_loss_coef * aux
         return logits, loss
 
     def _check_inputs(self, idx, targets, attention_mask, position_ids, cache) -> tuple[int, int]:
