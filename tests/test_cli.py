@@ -90,7 +90,7 @@ def test_bench_rejects_unknown_names():
 
 
 def test_moe_active_parameters_match_mixtral_and_qwen3_moe_published_counts():
-    """Mixtral-8x7B: 46.7B parameters, 12.9B active; Qwen3-30B-A3B: 30.5B, 3.3B active (their model cards)."""  # noqa: E501
+    """Mixtral-8x7B: 46.7B parameters, 12.9B active; Qwen3-30B-A3B: 30.5B, 3.3B active (their model cards)."""
     from mini_transformer.info import active_parameters
 
     mixtral = TransformerConfig.from_preset("moe-tiny", vocab_size=32000, d_model=4096, n_heads=32, n_kv_heads=8,
@@ -110,8 +110,8 @@ def test_info_moe_splits_router_experts_and_shared_expert(capsys):
     assert main(["info", "--preset", "moe-tiny", "--set", "moe_shared_expert_size=32"]) == 0
     out = capsys.readouterr().out
     experts = 2 * 4 * 3 * 64 * 128  # layers * experts * (gate, up, down) * C * d_ff
-    assert f"ffn experts {experts:>19,}" in out and f"ffn router {2 * 4 * 64:>20,}" in out
-    assert f"ffn shared expert {2 * 3 * 64 * 32:>12,}" in out
+    for name, count in (("ffn experts", experts), ("ffn router", 2 * 4 * 64), ("ffn shared expert", 2 * 3 * 64 * 32)):
+        assert f"{name:<22}{count:>16,}" in out
     assert "active per token" in out and "one expert" in out and "expert memory" in out
 
 
