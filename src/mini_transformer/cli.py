@@ -228,12 +228,12 @@ def _encodes(tokenizer, text: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------- bench
-BENCHMARKS = ("decode", "attention", "train")
+BENCHMARKS = ("decode", "attention", "train", "moe")
 
 
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="run a script of benchmarks/ (from a clone of the repository)")
-    p.add_argument("name", choices=BENCHMARKS, help="decode | attention | train")
+    p.add_argument("name", choices=BENCHMARKS, help="decode | attention | train | moe")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="passed on to the script (see its --help)")
     p.set_defaults(func=_run_bench)
 
