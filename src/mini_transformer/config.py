@@ -5,13 +5,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-POS_EMBS = ("learned", "rope", "sinusoidal", "none")
-NORMS = ("layernorm", "rmsnorm")
-NORM_POSITIONS = ("pre", "post")
-FFNS = ("gelu", "gelu_tanh", "relu", "swiglu", "moe")
-EXPERT_FFNS = ("gelu", "gelu_tanh", "relu", "swiglu")  # what each expert of an ffn="moe" layer is
-ATTN_BACKENDS = ("naive", "sdpa", "tiled", "triton")
+PosEmb = Literal["learned", "rope", "sinusoidal", "none"]
+Norm = Literal["layernorm", "rmsnorm"]
+NormPosition = Literal["pre", "post"]  # pre (GPT-2, Llama) | post (the 2017 paper)
+Ffn = Literal["gelu", "gelu_tanh", "relu", "swiglu", "moe"]
+ExpertFfn = Literal["gelu", "gelu_tanh", "relu", "swiglu"]  # what each expert of an ffn="moe" layer is
+AttnBackend = Literal["naive", "sdpa", "tiled", "triton"]
+# the allowed values, read from the types above (one list to keep)
+POS_EMBS, NORMS, NORM_POSITIONS, FFNS, ATTN_BACKENDS = map(get_args, (PosEmb, Norm, NormPosition, Ffn, AttnBackend))
+EXPERT_FFNS = get_args(ExpertFfn)
 
 
 def llama_ffn_size(d_model: int, multiple_of: int) -> int:
@@ -84,19 +88,19 @@ class TransformerConfig(DictIO):
     n_layer: int = 12
     max_seq_len: int = 1024
     n_kv_heads: int | None = None  # GQA when < n_heads, MQA when 1
-    pos_emb: str = "learned"  # learned | rope | sinusoidal | none
+    pos_emb: PosEmb = "learned"
     rope_theta: float = 10000.0
-    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm: Norm = "layernorm"
     norm_eps: float = 1e-5
-    norm_position: str = "pre"  # pre (GPT-2, Llama) | post (2017 paper)
-    ffn: str = "gelu"  # gelu | gelu_tanh | relu | swiglu | moe
+    norm_position: NormPosition = "pre"
+    ffn: Ffn = "gelu"
     ffn_multiple_of: int = 256  # SwiGLU width rounding when d_ff is not given
     attn_pdrop: float = 0.0
     resid_pdrop: float = 0.0
     embd_pdrop: float = 0.0
     bias: bool = True
     tie_weights: bool = True
-    attn_backend: str = "naive"  # naive | sdpa | tiled | triton
+    attn_backend: AttnBackend = "naive"
     init_std: float | None = None  # None = sqrt(2 / (5 * d_model)), see small_init_std
     # --- switches the model families of Hugging Face need (Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE) ---
     head_dim: int | None = None  # None = d_model // n_heads; Qwen3 sets it apart (then W_o maps H*D -> C)
@@ -105,7 +109,7 @@ class TransformerConfig(DictIO):
     # --- Mixture of Experts (ffn="moe"): d_ff is each expert's width ---
     n_experts: int = 8
     n_experts_per_tok: int = 2  # top-k
-    moe_expert_ffn: str = "swiglu"  # what each expert is: swiglu | gelu | gelu_tanh | relu
+    moe_expert_ffn: ExpertFfn = "swiglu"  # what each expert is
     moe_norm_topk_prob: bool = True  # renormalise the k chosen probabilities to sum to 1 (Mixtral: yes)
     moe_shared_expert_size: int = 0  # width of an always-on shared expert; 0 = none
     moe_shared_expert_gate: bool = False  # scale the shared expert by sigmoid(w . x) (Qwen2-MoE)

@@ -199,3 +199,10 @@ def load_balancing_loss(router_logits: list[torch.Tensor], k: int, keep: torch.T
         mean_prob = (probs * weight[:, None]).sum(dim=0) / n_real  # (E,) P_e, sums to 1
         losses.append(n_experts * (share * mean_prob).sum())
     return torch.stack(losses).mean()
+
+
+def moe_aux_loss(model: nn.Module, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The load-balancing loss of a model's last forward pass, padding (attention_mask 0) left out."""
+    keep = None if attention_mask is None else attention_mask.bool()  # (B, T)
+    layers = moe_layers(model)
+    return load_balancing_loss([moe.router_logits for moe in layers], layers[0].top_k, keep)
