@@ -89,8 +89,8 @@ def test_logits_match_hf_with_sdpa(tmp_path, case):
     assert max_logit_diff(hf, ours, *left_padded_batch()) <= TOLERANCE
 
 
-@pytest.mark.parametrize("case", ["qwen2 q/k/v biases, tied", "qwen3 q/k norm, head_dim 16",
-                                  "qwen3-moe norm_topk_prob"])
+@pytest.mark.parametrize("case", ["mistral", "qwen2 q/k/v biases, tied", "qwen3 q/k norm, head_dim 16",
+                                  "mixtral 4 experts top-2", "qwen3-moe norm_topk_prob"])
 def test_save_pretrained_round_trip(tmp_path, case):
     hf, ours = imported(case, tmp_path / "hf")
     ours.save_pretrained(tmp_path / "ours")
