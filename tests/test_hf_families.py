@@ -30,7 +30,8 @@ CASES = {
     "qwen3 q/k norm, head_dim 16": ("Qwen3", dict(head_dim=16), dict(qk_norm=True, head_dim=16, d_head=16)),
     "qwen3 head_dim = C/H": ("Qwen3", dict(head_dim=8), dict(qk_norm=True, head_dim=None, d_head=8)),
     "mixtral 4 experts top-2": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2),
-                                dict(ffn="moe", n_experts=4, n_experts_per_tok=2, moe_norm_topk_prob=True, d_ff=48)),
+                                dict(ffn="moe", n_experts=4, n_experts_per_tok=2, moe_norm_topk_prob=True, d_ff=48,
+                                     moe_aux_loss_coef=0.001 * 2)),  # HF's 0.001, scaled by k
     "qwen3-moe norm_topk_prob": ("Qwen3Moe", dict(num_experts=4, norm_topk_prob=True, head_dim=16, **MOE),
                                  dict(ffn="moe", n_experts=4, moe_norm_topk_prob=True, d_ff=24, qk_norm=True)),
     "qwen3-moe top-3 of 6": ("Qwen3Moe", dict(MOE, num_experts=6, norm_topk_prob=False, num_experts_per_tok=3),

@@ -44,12 +44,13 @@ def _moe_values(raw: dict, family: str) -> dict:
         if raw.get("mlp_only_layers"):
             raise ValueError(f"config.json has mlp_only_layers={raw['mlp_only_layers']!r}; only [] is supported "
                              f"(every layer is an MoE layer in our model)")
-    n_experts = raw.get("num_local_experts", raw.get("num_experts", 8))
+    n_experts, k = raw.get("num_local_experts", raw.get("num_experts", 8)), raw.get("num_experts_per_tok", 2)
     return dict(
-        ffn="moe", n_experts=n_experts, n_experts_per_tok=raw.get("num_experts_per_tok", 2),
+        ffn="moe", n_experts=n_experts, n_experts_per_tok=k,
         d_ff=raw["moe_intermediate_size"] if family == "qwen3_moe" else raw.get("intermediate_size", 14336),
         moe_norm_topk_prob=True if family == "mixtral" else bool(raw.get("norm_topk_prob", False)),
-        moe_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)),
+        # HF's balance loss is k times ours (moe.load_balancing_loss), so its coefficient is scaled by k
+        moe_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)) * k,
     )
 
 
