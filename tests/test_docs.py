@@ -32,6 +32,7 @@ CODE_DIRS = ("src", "tests", "benchmarks", "exercises", "docs")
 FOREIGN_FILES = {
     "prepare.py": "nanoGPT's data/shakespeare_char/prepare.py",
     "model.py": "nanoGPT's model file",
+    "bench.py": "nano-vllm's benchmark script",
 }
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
 OUTPUT_OF = re.compile(r"<!--\s*output-of:\s*(.+?)\s*-->\s*\n```[^\n]*\n(.*?)^```", re.S | re.M)
@@ -64,12 +65,20 @@ def defined_names(path: str) -> frozenset[str]:
                 names.update({node.name, prefix + node.name})
                 if isinstance(node, ast.ClassDef):
                     visit(node.body, node.name + ".")
+                    names.update(node.name + "." + attr for attr in self_attributes(node))
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 names.update(prefix + t.id for t in targets if isinstance(t, ast.Name))
         return names
 
     return frozenset(visit(tree.body))
+
+
+def self_attributes(cls: ast.ClassDef) -> set[str]:
+    """Names a class's methods assign as self.<name> (instance attributes such as a module's layers)."""
+    return {t.attr for node in ast.walk(cls) if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
 
 
 @functools.cache
@@ -116,9 +125,29 @@ PATH = r"((?:[A-Za-z0-9_.-]+/)*[A-Za-z0-9_.-]+\.(?:py|md|png))"
 COMMAND_START = ("uv run ", "mini-transformer ", "python ", "torchrun ")
 
 
+OUR_COLUMN = ("本项目", "我们", "这里", "ours")
+
+
+def drop_foreign_columns(text: str) -> str:
+    """In a name-map table (a header column for this project, OUR_COLUMN, beside other projects'
+    columns), keep only our column: the other columns cite vLLM's or nanoGPT's names."""
+    out, keep = [], None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            keep = None
+            out.append(line)
+            continue
+        cells = line.strip().strip("|").split("|")
+        if keep is None:  # the header row
+            ours = [i for i, c in enumerate(cells) if c.strip() in OUR_COLUMN]
+            keep = ours[0] if ours else -1
+        out.append(line if keep < 0 or keep >= len(cells) else "| " + cells[keep] + " |")
+    return "\n".join(out)
+
+
 def references(page: Path) -> list[tuple[str, str]]:
     """(kind, reference) pairs cited in the page's prose (inline commands are checked as commands)."""
-    text = re.sub(r"<!--.*?-->", "", prose(page.read_text()), flags=re.S)
+    text = drop_foreign_columns(re.sub(r"<!--.*?-->", "", prose(page.read_text()), flags=re.S))
     refs = [("link", f"{rel(page.parent)}/{m.group(1)}") for m in re.finditer(r"\]\(([^)#\s]+)\)", text)
             if "://" not in m.group(1)]
     text = re.sub(r"\]\([^)]*\)", "]", text)
@@ -156,6 +185,8 @@ def check_reference(kind: str, ref: str) -> str | None:
         return None if resolve(ref) else f"no file {ref!r} in the repository"
     if kind in ("name", "line"):
         path, _, rest = ref.partition("::") if kind == "name" else ref.rpartition(":")
+        if check_reference("file", path) is None and not resolve(path):
+            return None  # another project's file (vLLM's, nanoGPT's): not ours to check
         files = [f for f in resolve(path) if f.endswith(".py")]
         if len(files) != 1:
             return f"{path!r} matches {len(files)} files"
@@ -356,7 +387,7 @@ NOT_BUILT = re.findall(r"^### (.+)\n<!--\s*not-built:\s*(\S+)\s*-->", (ROOT / "d
 
 
 def test_the_roadmap_marks_what_is_not_built():
-    assert len(NOT_BUILT) >= 4
+    assert NOT_BUILT, "the markers under ### headings no longer parse"  # at least one stage is still ahead
 
 
 @pytest.mark.parametrize(("entry", "path"), NOT_BUILT, ids=[p for _, p in NOT_BUILT])
