@@ -7,6 +7,7 @@ import types
 
 import torch
 
+from mini_transformer.engine.block_manager import BlockManager as _ProjectBlockManager
 from mini_transformer.generate import decode_step
 from mini_transformer.kv_cache import KVCache
 
@@ -58,6 +59,30 @@ class _CountsPadding(KVCache):
         super().begin(idx, attention_mask)
         self.next_position.fill_(self.length)
         return torch.arange(start, self.length).expand(idx.shape[0], -1)
+
+
+class _FloorBlocks(_ProjectBlockManager):
+    """Counts blocks with floor instead of ceil: a partly filled last block is never allocated."""
+
+    def __init__(self, num_blocks, block_size):
+        super().__init__(num_blocks, block_size, enable_prefix_caching=False)
+
+    def allocate_slots(self, seq, num_new_tokens):
+        needed = (seq.num_computed_tokens + num_new_tokens) // self.block_size - len(seq.block_table)
+        if needed > self.num_free_blocks:
+            return False
+        seq.block_table += [self._take_free_block() for _ in range(max(needed, 0))]
+        return True
+
+
+class _FreeKeepsBlocks(_FloorBlocks):
+    """Allocates right but `free` forgets to give the blocks back to the pool."""
+
+    allocate_slots = _ProjectBlockManager.allocate_slots
+
+    def free(self, seq):
+        seq.block_table = []
+        seq.num_computed_tokens = 0
 
 
 def _top_p_without_the_crossing_token(logits, top_p):
@@ -138,6 +163,10 @@ BROKEN = {
     },
     "ex7_lr_schedule": {
         "warmup starts at lr 0": types.SimpleNamespace(lr_at=_warmup_from_zero),
+    },
+    "ex8_block_manager": {
+        "blocks counted with floor, not ceil": types.SimpleNamespace(BlockManager=_FloorBlocks),
+        "free loses the blocks": types.SimpleNamespace(BlockManager=_FreeKeepsBlocks),
     },
     "ex3_online_softmax": {
         "alpha rescale dropped": types.SimpleNamespace(online_softmax_attention=_online_softmax_without_alpha),
