@@ -11,7 +11,7 @@ from mini_transformer.engine.block_manager import BlockManager as _ProjectBlockM
 from mini_transformer.generate import decode_step
 from mini_transformer.kv_cache import KVCache
 
-from . import ex2_rope, ex6_modern_block, ex7_lr_schedule
+from . import ex2_rope, ex6_modern_block, ex7_lr_schedule, ex9_moe_router
 
 
 def _gqa_modulo(q, k, v):
@@ -83,6 +83,18 @@ class _FreeKeepsBlocks(_FloorBlocks):
     def free(self, seq):
         seq.block_table = []
         seq.num_computed_tokens = 0
+
+
+def _route_softmax_over_the_k(router_logits, k, renormalize):
+    """Top-k of the logits first, softmax over those k only: the weights always sum to 1."""
+    top, experts = router_logits.float().topk(k, dim=-1)
+    return torch.softmax(top, dim=-1), experts
+
+
+def _loss_with_soft_shares(router_logits, k):
+    """f_e taken from the probabilities instead of the counts: the loss becomes E * sum P_e^2."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    return router_logits.shape[-1] * (probs.mean(0) ** 2).sum()
 
 
 def _top_p_without_the_crossing_token(logits, top_p):
@@ -167,6 +179,12 @@ BROKEN = {
     "ex8_block_manager": {
         "blocks counted with floor, not ceil": types.SimpleNamespace(BlockManager=_FloorBlocks),
         "free loses the blocks": types.SimpleNamespace(BlockManager=_FreeKeepsBlocks),
+    },
+    "ex9_moe_router": {
+        "softmax over the chosen k only": types.SimpleNamespace(
+            route=_route_softmax_over_the_k, load_balancing_loss=ex9_moe_router.load_balancing_loss),
+        "f from probabilities, not counts": types.SimpleNamespace(
+            route=ex9_moe_router.route, load_balancing_loss=_loss_with_soft_shares),
     },
     "ex3_online_softmax": {
         "alpha rescale dropped": types.SimpleNamespace(online_softmax_attention=_online_softmax_without_alpha),
