@@ -358,6 +358,20 @@ def test_pages_use_the_glossary_terms(page):
         assert word not in text, f"{page} writes {word!r}; the glossary (docs/README.md) says {ours!r}"
 
 
+# -------------------------------------------------------------------------------- exercises
+STAGE_PAGES = [rel(p) for p in PAGES if re.match(r"\d\d[a-z]?-", p.name) and p.parent.name == "docs"]
+
+
+@pytest.mark.parametrize("page", STAGE_PAGES)
+def test_each_stage_page_ends_with_exercises_and_break_it_experiments(page):
+    """The learning path (docs/README.md): every stage page ends with its exercise(s), the command that
+    grades them, and two or three "break it and watch which test fails" experiments."""
+    last = (ROOT / page).read_text().rsplit("\n## ", 1)[-1]
+    assert last.split("\n", 1)[0].count("练习"), f"{page}: the last section must be its exercises (练习)"
+    assert re.search(r"uv run pytest exercises/test_\w+\.py", last), f"{page}: no grading command"
+    assert len(re.findall(r"^\d\. ", last, re.M)) >= 2, f"{page}: fewer than two break-it experiments"
+
+
 # ------------------------------------------------------------------------------- arithmetic
 ARITHMETIC = re.compile(r"(?<![\w.·/^])((?:\d+(?:\.\d+)?\s*[·×+−]\s*)+\d+(?:\.\d+)?)\s*=\s*"
                         r"(\d{1,3}(?:[ ,]\d{3})+|\d+(?:\.\d+)?)(?![\w.^²])")
