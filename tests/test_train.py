@@ -258,8 +258,8 @@ def test_ddp_two_processes_equal_one_process_on_the_combined_batch(corpus, tmp_p
     assert ddp["world_size"] == 2 and one["world_size"] == 1
     assert ddp["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert not math.isnan(ddp["best_val_loss"])
-    ddp_model, one_model = TransformerLM.from_pretrained(tmp_path / "ddp" / "last"), TransformerLM.from_pretrained(tmp_path / "one" / "last")
-    assert_same_weights(ddp_model, one_model)
+    ddp_model = TransformerLM.from_pretrained(tmp_path / "ddp" / "last")
+    assert_same_weights(ddp_model, TransformerLM.from_pretrained(tmp_path / "one" / "last"))
 
 
 def test_bpe_run_saves_tokenizer_json_and_matches_vocab(corpus, tmp_path):

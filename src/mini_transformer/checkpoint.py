@@ -179,12 +179,14 @@ def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig], 
     `overrides` change config fields (e.g. attn_backend="sdpa")."""
     path = resolve_checkpoint_dir(path)
     config_file = path / CONFIG_NAME
+    if (path / MANIFEST_NAME).exists():
+        verify_checkpoint(path)
     if not config_file.is_file():
         raise ValueError(f"path={str(path)!r} has no {CONFIG_NAME}; expected a checkpoint directory")
-    ours = (path / MANIFEST_NAME).exists() or read_json(config_file).get("model_type") == MODEL_TYPE
-    if ours:
-        verify_checkpoint(path)
     raw = read_json(config_file)
+    ours = raw.get("model_type") == MODEL_TYPE or (path / MANIFEST_NAME).exists()
+    if ours and not (path / MANIFEST_NAME).exists():
+        verify_checkpoint(path)  # names the missing manifest, and the run's other checkpoint if sound
     if ours:
         raw.pop("model_type", None)
         model = make_model(TransformerConfig.from_dict({**raw, **overrides}))
