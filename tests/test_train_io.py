@@ -65,6 +65,14 @@ def test_a_second_run_into_the_same_directory_is_refused(corpus, finished_run, t
     assert not (out / "samples.txt").exists()  # nothing of the old run survives beside the new one
 
 
+def test_a_resumed_run_does_not_write_into_another_run(corpus, finished_run, tmp_path):
+    shutil.copytree(finished_run, tmp_path / "a")
+    shutil.copytree(finished_run, tmp_path / "b")
+    with pytest.raises(ValueError, match=r"'.*b' already holds a run"):
+        train(run_config(corpus, tmp_path / "b", max_steps=8), resume=tmp_path / "a")
+    assert load_train_state(tmp_path / "b" / "last")["step"] == 6
+
+
 def test_out_dir_that_cannot_be_written_fails_before_training(corpus, tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")

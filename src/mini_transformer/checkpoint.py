@@ -178,14 +178,15 @@ def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig], 
     Ours must pass its manifest; a HF directory (no manifest) may name only files inside itself.
     `overrides` change config fields (e.g. attn_backend="sdpa")."""
     path = resolve_checkpoint_dir(path)
+    has_manifest = (path / MANIFEST_NAME).exists()
+    if has_manifest:
+        verify_checkpoint(path)  # first: a damaged file is named before anything reads it
     config_file = path / CONFIG_NAME
-    if (path / MANIFEST_NAME).exists():
-        verify_checkpoint(path)
     if not config_file.is_file():
         raise ValueError(f"path={str(path)!r} has no {CONFIG_NAME}; expected a checkpoint directory")
     raw = read_json(config_file)
-    ours = raw.get("model_type") == MODEL_TYPE or (path / MANIFEST_NAME).exists()
-    if ours and not (path / MANIFEST_NAME).exists():
+    ours = raw.get("model_type") == MODEL_TYPE
+    if ours and not has_manifest:
         verify_checkpoint(path)  # names the missing manifest, and the run's other checkpoint if sound
     if ours:
         raw.pop("model_type", None)

@@ -175,7 +175,8 @@ def _add_train(sub) -> None:
     p.add_argument("--max-steps", type=int, help="optimizer steps to train (default 2000)")
     p.add_argument("--out", help="run directory (default out/<preset>); checkpoints go to OUT/best and OUT/last")
     p.add_argument("--resume", metavar="DIR", help="continue a run from its directory or a checkpoint directory")
-    p.add_argument("--overwrite", action="store_true", help="replace the run already in --out (its checkpoints go)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --out (its checkpoints are deleted); default: refuse")
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     for flag, (_, kind, help_text) in _TRAIN_FLAGS.items():
         p.add_argument(flag, type=kind, help=help_text)
@@ -203,10 +204,9 @@ def train_configs_from_args(args):
     if args.resume:  # the run continues with its saved settings; what is given here overrides them
         from .train_io import find_checkpoint, load_train_state
 
-        for flag, value in (("--preset", args.preset), ("--overwrite", args.overwrite or None)):
-            if value is not None:
-                raise ValueError(f"{flag} cannot be combined with --resume: the model and its run come from "
-                                 f"the checkpoint (change single fields with --set KEY=VALUE)")
+        if args.preset is not None:
+            raise ValueError("--preset cannot be combined with --resume: the model comes from the checkpoint "
+                             "(change single fields with --set KEY=VALUE)")
         checkpoint = find_checkpoint(args.resume)
         saved = load_train_state(checkpoint)["train_config"]
         given.setdefault("out_dir", str(checkpoint.parent))  # keep writing next to the checkpoint resumed from

@@ -145,18 +145,18 @@ def _check_resumable(cfg: TrainConfig, state: dict, ckpt: Path) -> None:
             raise ValueError(f"{name}={getattr(cfg, name)!r}, but the run in {ckpt} was trained with "
                              f"{saved.get(name)!r}; a resumed run keeps its tokenizer (leave the option out)")
     step, out_dir = state["step"], Path(cfg.out_dir)
-    unfinished = any(not (out_dir / name).is_file() for name in END_OF_RUN_FILES[: 1 + (cfg.num_samples > 0)])
-    if step > cfg.max_steps or (step == cfg.max_steps and not unfinished):
+    end_files = END_OF_RUN_FILES if cfg.num_samples > 0 else END_OF_RUN_FILES[:1]  # loss.png [, samples.txt]
+    finished = all((out_dir / name).is_file() for name in end_files)
+    if step > cfg.max_steps or (step == cfg.max_steps and finished):
         raise ValueError(f"the checkpoint {ckpt} is at step {step}; max_steps={cfg.max_steps} "
                          f"leaves nothing to train (raise max_steps)")
 
 
-def _prepare(cfg: TrainConfig, model_cfg: TransformerConfig | None, resume: str | None):
-    """Text, tokenizer, model and (when resuming) the saved training state."""
-    if resume is not None:
+def _prepare(cfg: TrainConfig, model_cfg: TransformerConfig | None, ckpt: Path | None):
+    """Text, tokenizer, model and (when resuming from the checkpoint `ckpt`) the saved training state."""
+    if ckpt is not None:
         if model_cfg is not None and not isinstance(model_cfg, dict):
             raise TypeError(f"with resume, model_cfg must be a dict of overrides or None, got {type(model_cfg)}")
-        ckpt = find_checkpoint(resume)  # verified against its manifest
         state = load_train_state(ckpt)
         _check_resumable(cfg, state, ckpt)
         tokenizer = load_tokenizer(ckpt)
@@ -182,9 +182,11 @@ def train(cfg: TrainConfig, model_cfg: TransformerConfig | dict | None = None, *
         raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
     rank, world_size, device = _setup_distributed(cfg)
     try:
-        if rank == 0:
-            prepare_out_dir(cfg.out_dir, fresh=resume is None, overwrite=overwrite)
-        return _train(_start(cfg, model_cfg, resume, rank, world_size, device))
+        ckpt = None if resume is None else find_checkpoint(resume)  # verified against its manifest
+        if rank == 0:  # a resumed run may write only into its own directory, unless told to replace another
+            other_run = ckpt is None or Path(cfg.out_dir).resolve() != ckpt.parent.resolve()
+            prepare_out_dir(cfg.out_dir, fresh=other_run, overwrite=overwrite)
+        return _train(_start(cfg, model_cfg, ckpt, rank, world_size, device))
     finally:
         if world_size > 1:
             dist.destroy_process_group()
@@ -269,10 +271,10 @@ class _Run:
         )
 
 
-def _start(cfg: TrainConfig, model_cfg, resume, rank: int, world_size: int, device: torch.device) -> _Run:
-    """Data, model, optimizer and RNGs of a new run, or of a resumed one restored exactly."""
+def _start(cfg: TrainConfig, model_cfg, ckpt: Path | None, rank: int, world_size: int, device) -> _Run:
+    """Data, model, optimizer and RNGs of a new run, or of one resumed from `ckpt` restored exactly."""
     torch.manual_seed(cfg.seed)  # same init and same dropout stream on every rank (DDP checks nothing)
-    text, tokenizer, model, state = _prepare(cfg, model_cfg, resume)
+    text, tokenizer, model, state = _prepare(cfg, model_cfg, ckpt)
     block_size = cfg.block_size or model.config.max_seq_len
     if block_size > model.config.max_seq_len:
         raise ValueError(f"block_size={block_size} exceeds the model's max_seq_len={model.config.max_seq_len}")
@@ -283,7 +285,7 @@ def _start(cfg: TrainConfig, model_cfg, resume, rank: int, world_size: int, devi
     run = _Run(cfg, model, model, tokenizer, text, state["data_name"], train_data, val_data, block_size,
                make_optimizer(model, cfg), torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16),
                torch.Generator().manual_seed(cfg.seed), device, amp_dtype, rank, world_size)
-    if resume is not None:
+    if ckpt is not None:
         run.restore(state)
     if cfg.compile:
         run.model = torch.compile(run.model)
