@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -177,6 +178,8 @@ def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig], 
 
     Ours must pass its manifest; a HF directory (no manifest) may name only files inside itself.
     `overrides` change config fields (e.g. attn_backend="sdpa")."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path={path!r} must be a directory path (str or os.PathLike)")
     path = resolve_checkpoint_dir(path)
     has_manifest = (path / MANIFEST_NAME).exists()
     if has_manifest:

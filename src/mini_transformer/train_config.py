@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from .config import DictIO, _check_choice, _check_positive_int
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-TOKENIZERS = ("char", "bpe")
+Precision = Literal["auto", "fp32", "bf16", "fp16"]  # auto: bf16/fp16 autocast on CUDA, fp32 elsewhere
+TokenizerKind = Literal["char", "bpe"]
+PRECISIONS, TOKENIZERS = get_args(Precision), get_args(TokenizerKind)
+
 
 @dataclass
 class TrainConfig(DictIO):
@@ -18,7 +21,7 @@ class TrainConfig(DictIO):
     """
 
     data: str | None = None  # shakespeare | pydoc | a file path; None = shakespeare, else pydoc
-    tokenizer: str = "char"  # char | bpe
+    tokenizer: TokenizerKind = "char"
     bpe_vocab_size: int = 1024  # only for tokenizer="bpe"
     batch_size: int = 12  # sequences per micro-batch, per rank
     block_size: int | None = None  # tokens per sequence; None = the model's max_seq_len
@@ -36,7 +39,7 @@ class TrainConfig(DictIO):
     eval_batches: int = 20
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
-    precision: str = "auto"  # auto (bf16/fp16 autocast on CUDA, fp32 elsewhere) | fp32 | bf16 | fp16
+    precision: Precision = "auto"
     compile: bool = False
     fused_optimizer: bool = True  # one fused AdamW kernel instead of a loop over tensors
     out_dir: str = "out"

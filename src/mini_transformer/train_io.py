@@ -99,6 +99,8 @@ def find_checkpoint(path: str | Path) -> Path:
 
     If a kill fell between the two renames of `save_checkpoint`, the previous checkpoint is still
     there under its `.old` name and is used."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"resume={path!r} must be a run or checkpoint directory path (str or os.PathLike)")
     path = Path(path)
     for candidate in (path, path / "last"):
         candidate = resolve_checkpoint_dir(candidate)
