@@ -11,7 +11,8 @@ Speed (--speed-steps N): the gpt2 model for N steps, first in a plain loop (the 
 model, torch.optim.AdamW with its defaults, no schedule, clipping or autocast), then through train()
 with each speed-up switched on in turn (attention backend, fused AdamW, torch.compile). The variants
 take turns for --rounds rounds, so a change in the machine's load hits them all alike; ms/step is the
-median over the rounds, and every ratio is against the plain loop measured in the same process.
+median over the rounds; each ratio is the median over the rounds of the plain loop's time over the
+variant's in the same round, all in one process.
 
     python benchmarks/bench_train.py --data PATH/TO/tinyshakespeare.txt --plot train.png
     python benchmarks/bench_train.py --data PATH --steps 0 --speed-steps 100 --compile
@@ -159,12 +160,12 @@ def speed(args, vocab_size: int, work: Path) -> list:
             ms[label].append(step_ms)
     tokens_per_step = 12 * 64
     rows = [(label, statistics.median(ms[label])) for label in labels]
-    reference = rows[0][1]
     print(f"\n{'configuration':<36} {'ms/step':>8} {'tokens/s':>9} {'x plain loop':>12}   rounds (ms/step)")
     for label, step_ms in rows:
+        # the ratio is paired: each round's plain loop against the same round's variant, then the median
+        ratio = statistics.median(p / v for p, v in zip(ms[PLAIN_LOOP], ms[label], strict=True))
         each = " ".join(f"{m:.1f}" for m in ms[label])
-        tok_s = tokens_per_step / step_ms * 1000
-        print(f"{label:<36} {step_ms:>8.1f} {tok_s:>9.0f} {reference / step_ms:>11.2f}x   {each}")
+        print(f"{label:<36} {step_ms:>8.1f} {tokens_per_step / step_ms * 1000:>9.0f} {ratio:>11.2f}x   {each}")
     return rows
 
 
@@ -182,7 +183,8 @@ def plot(rows: dict, speed_rows: list, path: str) -> None:
             ax.axhline(target, color="grey", linestyle=":", linewidth=0.8)
     ax.set(xlabel="step", ylabel="loss (nats / char)", title="tiny shakespeare, char level")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if rows:
+        ax.legend()
     if speed_rows:
         bx = fig.add_subplot(1, 2, 2)
         colours = ["tab:grey" if r[0] == PLAIN_LOOP else "tab:blue" for r in speed_rows]
