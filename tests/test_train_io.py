@@ -100,6 +100,14 @@ def test_killed_saves_leave_nothing_behind_at_the_next_save(finished_run, tmp_pa
     assert sorted(p.name for p in out.iterdir()) == ["best", "last", "loss.png", "samples.txt"]
 
 
+def test_a_run_killed_before_its_first_last_resumes_from_best(corpus, finished_run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    shutil.rmtree(out / "last")  # the first eval writes best/, then last/: a kill fell between them
+    assert find_checkpoint(out) == out / "best"
+    assert train(run_config(corpus, out, max_steps=7), resume=out).step == 7
+
+
 def test_best_is_found_in_the_rename_window(finished_run, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(finished_run, out)

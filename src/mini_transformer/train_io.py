@@ -94,15 +94,15 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, tokenizer, state: 
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from a checkpoint path or a run directory (-> its `last/`), verified
-    against its manifest.
+    """A checkpoint directory from a checkpoint path or a run directory (-> its `last/`, or `best/` when a
+    kill came before the first `last/` was written), verified against its manifest.
 
     If a kill fell between the two renames of `save_checkpoint`, the previous checkpoint is still
     there under its `.old` name and is used."""
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"resume={path!r} must be a run or checkpoint directory path (str or os.PathLike)")
     path = Path(path)
-    for candidate in (path, path / "last"):
+    for candidate in (path, path / "last", path / "best"):
         candidate = resolve_checkpoint_dir(candidate)
         if any((candidate / name).is_file() for name in (TRAIN_STATE_FILE, MANIFEST_NAME, WEIGHTS_NAME)):
             verify_checkpoint(candidate)
