@@ -307,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         message = " ".join(str(err).split()) or type(err).__name__  # one line, whatever the exception held
-        if isinstance(err, _user_errors()):
+        out_of_memory = isinstance(err, RuntimeError) and "can't allocate memory" in message  # CPU allocator
+        if isinstance(err, _user_errors()) or out_of_memory:
             print(f"{prefix}: error: {message}", file=sys.stderr)
             return 2
         print(f"{prefix}: internal error: {type(err).__name__}: {message} (rerun with --debug for the traceback)",
