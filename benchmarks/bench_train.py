@@ -170,23 +170,26 @@ def speed(args, vocab_size: int, work: Path) -> list:
 
 
 def plot(rows: dict, speed_rows: list, path: str) -> None:
+    """Loss curves of the quality runs and/or step times of the speed variants, side by side."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4.5))
-    ax = fig.add_subplot(1, 2 if speed_rows else 1, 1)
-    for name, row in rows.items():
-        target, colour = MODELS[name]
-        evals = row["result"].evals
-        ax.plot([e[0] for e in evals], [e[2] for e in evals], "o-", color=colour, label=f"{name} val")
-        ax.plot([e[0] for e in evals], [e[1] for e in evals], "--", color=colour, alpha=0.6, label=f"{name} train")
-        if target is not None:
-            ax.axhline(target, color="grey", linestyle=":", linewidth=0.8)
-    ax.set(xlabel="step", ylabel="loss (nats / char)", title="tiny shakespeare, char level")
-    ax.grid(alpha=0.3)
+    panels = int(bool(rows)) + int(bool(speed_rows))
+    fig = Figure(figsize=(5.5 * panels + 0.5, 4.5))
     if rows:
+        ax = fig.add_subplot(1, panels, 1)
+        for name, row in rows.items():
+            target, colour = MODELS[name]
+            evals = row["result"].evals
+            ax.plot([e[0] for e in evals], [e[2] for e in evals], "o-", color=colour, label=f"{name} val")
+            ax.plot([e[0] for e in evals], [e[1] for e in evals], "--", color=colour, alpha=0.6,
+                    label=f"{name} train")
+            if target is not None:
+                ax.axhline(target, color="grey", linestyle=":", linewidth=0.8)
+        ax.set(xlabel="step", ylabel="loss (nats / char)", title="tiny shakespeare, char level")
+        ax.grid(alpha=0.3)
         ax.legend()
     if speed_rows:
-        bx = fig.add_subplot(1, 2, 2)
+        bx = fig.add_subplot(1, panels, panels)
         colours = ["tab:grey" if r[0] == PLAIN_LOOP else "tab:blue" for r in speed_rows]
         bx.barh([r[0] for r in speed_rows], [r[1] for r in speed_rows], color=colours)
         bx.set(xlabel="ms / step (median)", title="training step time (grey: the plain-loop reference)")
@@ -216,7 +219,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows = quality(args, vocab_size, Path(tmp)) if args.steps > 0 else {}
         speed_rows = speed(args, vocab_size, Path(tmp)) if args.speed_steps > 0 else []
-    if args.plot:
+    if args.plot and (rows or speed_rows):
         plot(rows, speed_rows, args.plot)
 
 
