@@ -192,7 +192,7 @@ def plot(rows: dict, speed_rows: list, path: str) -> None:
         bx = fig.add_subplot(1, panels, panels)
         colours = ["tab:grey" if r[0] == PLAIN_LOOP else "tab:blue" for r in speed_rows]
         bx.barh([r[0] for r in speed_rows], [r[1] for r in speed_rows], color=colours)
-        bx.set(xlabel="ms / step (median)", title="training step time (grey: the plain-loop reference)")
+        bx.set(xlabel="ms / step (median)", title="step time (grey: the plain loop)")
         bx.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
