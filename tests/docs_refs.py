@@ -164,8 +164,8 @@ def check_reference(kind: str, ref: str) -> str | None:
         base = ref.split("/")[-1]
         ours = "/" not in ref or ref.split("/")[0] in (*CODE_DIRS, "attention", "engine", "server", "parallel",
                                                        "mini_transformer", "img")
-        if not ours or base in FOREIGN_FILES:
-            return None
+        if not ours or base in FOREIGN_FILES or ("/" not in ref and ref.endswith(".png")):
+            return None  # another project's file, or a picture a command writes (loss.png in a run directory)
         return None if resolve(ref) else f"no file {ref!r} in the repository"
     if kind in ("name", "line"):
         path, _, rest = ref.partition("::") if kind == "name" else ref.rpartition(":")
