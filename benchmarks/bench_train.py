@@ -192,7 +192,7 @@ def plot(rows: dict, speed_rows: list, path: str) -> None:
         ax.axhline(NANOGPT_VAL, color="tab:red", linestyle="-.", linewidth=0.8, label=f"nanoGPT {NANOGPT_VAL} (val)")
         ax.set(xlabel="训练步 step", ylabel="loss（nats / 字符 char）", title="tiny shakespeare，字符级 char level")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, ncol=2)
+        ax.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))  # below: curves stay clear
     if speed_rows:
         bx = fig.add_subplot(1, panels, panels)
         colours = ["tab:grey" if r[0] == PLAIN_LOOP else "tab:blue" for r in speed_rows]
@@ -200,7 +200,7 @@ def plot(rows: dict, speed_rows: list, path: str) -> None:
         bx.set(xlabel="ms / step（中位数 median）", title="每步训练时间 step time（灰色：plain loop）")
         bx.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     print(f"wrote {path}")
 
 
