@@ -72,9 +72,12 @@ def _run_trace(args) -> None:
 
 # --------------------------------------------------------------------------------------- sample
 def _add_sample(sub) -> None:
-    p = sub.add_parser("sample", help="continue a prompt with a trained checkpoint, streaming the text")
+    p = sub.add_parser("sample", help="continue prompts with a trained checkpoint (one streams; several run "
+                                      "through the serving engine)")
     p.add_argument("--checkpoint", required=True, help="our checkpoint dir or a Hugging Face GPT-2/Llama dir")
-    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--prompt", action="append", default=[],
+                   help="text to continue; repeat it for several prompts (they run as one engine batch)")
+    p.add_argument("--prompts-file", help="a text file with one prompt per line (empty lines skipped)")
     p.add_argument("--max-new-tokens", type=int, default=200,
                    help="tokens to generate; past the model's context the window slides")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -123,28 +126,36 @@ class _TextStream:
 def _run_sample(args) -> None:
     import torch
 
+    from .checkpoint import resolve_checkpoint_dir
     from .generate import generate_long
     from .sampling import SamplingParams
     from .tokenizer import load_tokenizer
+    from .train import resolve_device
     from .transformer import TransformerLM
 
-    tokenizer = load_tokenizer(args.checkpoint)
-    model = _load_sample_model(args)
-    prompt_ids = tokenizer.encode(args.prompt)
-    if not prompt_ids:
-        raise ValueError("--prompt is empty; give at least one character of text to continue")
-    idx = torch.tensor([prompt_ids], dtype=torch.long, device=args.device)  # (1, T)
-    stream = _TextStream(tokenizer, sys.stdout, args.prompt)
+    prompts = _read_prompts(args)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens: max_new_tokens={args.max_new_tokens} must be a positive integer")
     params = SamplingParams(
         max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
     )
+    device = resolve_device(args.device)
+    checkpoint = resolve_checkpoint_dir(args.checkpoint)  # `best` is found even mid-save
+    model = _load_sample_model(args, checkpoint, device)  # verifies the manifest first
+    tokenizer = load_tokenizer(checkpoint)
+    if len(prompts) > 1:
+        _sample_with_engine(model, tokenizer, prompts, params)
+        return
+    prompt_ids = tokenizer.encode(prompts[0])
+    if not prompt_ids:
+        raise ValueError("--prompt is empty; give at least one character of text to continue")
+    idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, T)
+    stream = _TextStream(tokenizer, sys.stdout, prompts[0])
     # past max_seq_len generate_long slides the context window (re-prefilling its second half)
     draft = "prompt_lookup" if args.prompt_lookup else None
     if args.draft_checkpoint:
-        draft = TransformerLM.from_pretrained(args.draft_checkpoint, device=args.device)
+        draft = TransformerLM.from_pretrained(args.draft_checkpoint, device=device)
     generate_long(model, idx, params, eos_token_id=tokenizer.eos_token_id, use_cache=not args.no_cache,
                   stream=stream, compile=args.compile, draft_model=draft,
                   num_speculative_tokens=args.speculative_tokens)
@@ -152,22 +163,58 @@ def _run_sample(args) -> None:
     sys.stdout.write("\n")
 
 
-def _load_sample_model(args):
+def _load_sample_model(args, checkpoint, device):
     """The checkpoint (float, or one written by quantize.save_quantized), quantized if --quantize asks."""
     from .quantize import is_quantized_checkpoint, load_quantized, quantize
     from .transformer import TransformerLM
 
     if args.draft_checkpoint and args.prompt_lookup:
         raise ValueError("--draft-checkpoint and --prompt-lookup are two drafters; choose one")
-    if is_quantized_checkpoint(args.checkpoint):
+    if is_quantized_checkpoint(checkpoint):
         if args.quantize:
             raise ValueError(f"--checkpoint {args.checkpoint} is already quantized; drop --quantize")
-        return load_quantized(args.checkpoint, device=args.device)
-    model = TransformerLM.from_pretrained(args.checkpoint, device=args.device)
+        return load_quantized(checkpoint, device=device)
+    model = TransformerLM.from_pretrained(checkpoint, device=device)
     return quantize(model, args.quantize, group_size=args.group_size) if args.quantize else model
 
 
+def _read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        try:
+            text = Path(args.prompts_file).read_text(encoding="utf-8")
+        except OSError as err:
+            raise ValueError(f"--prompts-file {args.prompts_file!r} cannot be read: {err.strerror}") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("give a prompt: --prompt TEXT (repeat it for several) or --prompts-file FILE")
+    return prompts
+
+
+def _sample_with_engine(model, tokenizer, prompts: list[str], params) -> None:
+    """Several prompts as one batch of requests in the serving engine; each prompt gets its own seed
+    (seed + i), so a completion does not depend on the others. The completions print in prompt order."""
+    from .engine import LLMEngine
+
+    context = model.config.max_seq_len
+    ids, per_prompt = [], []
+    for i, prompt in enumerate(prompts):
+        prompt_ids = tokenizer.encode(prompt)
+        if not prompt_ids or len(prompt_ids) >= context:
+            raise ValueError(f"prompt {i + 1} ({prompt[:40]!r}) encodes to {len(prompt_ids)} tokens; the engine "
+                             f"needs 1 to {context - 1} (the model's max_seq_len is {context})")
+        room = min(params.max_tokens, context - len(prompt_ids))  # the engine does not slide past the context
+        seed = None if params.seed is None else params.seed + i
+        ids.append(prompt_ids)
+        per_prompt.append(dataclasses.replace(params, max_tokens=room, seed=seed))
+    engine = LLMEngine(model, eos_token_id=tokenizer.eos_token_id, max_num_seqs=max(1, len(prompts)))
+    for prompt, completion in zip(prompts, engine.generate(ids, per_prompt), strict=True):
+        sys.stdout.write(prompt + tokenizer.decode(completion) + "\n\n")
+    sys.stdout.flush()
+
+
 # ---------------------------------------------------------------------------------------- train
+DEFAULT_TRAIN_PRESET = "shakespeare-char"
 _TRAIN_FLAGS = {  # flag -> (TrainConfig field, type, help)
     "--tokenizer": ("tokenizer", str, "char (default) or bpe"),
     "--vocab-size": ("bpe_vocab_size", int, "BPE vocabulary size (with --tokenizer bpe)"),
@@ -190,12 +237,14 @@ _TRAIN_FLAGS = {  # flag -> (TrainConfig field, type, help)
 def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a model on text (tiny shakespeare by default), then sample from it")
     p.add_argument("--data", help="shakespeare | pydoc | PATH (default: shakespeare, or pydoc when offline)")
-    p.add_argument("--preset", default="shakespeare-char", choices=sorted(PRESETS))
+    p.add_argument("--preset", choices=sorted(PRESETS), help=f"the model (default {DEFAULT_TRAIN_PRESET})")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a model or training config field, e.g. --set pos_emb=rope --set min_lr=3e-4")
     p.add_argument("--max-steps", type=int, help="optimizer steps to train (default 2000)")
     p.add_argument("--out", help="run directory (default out/<preset>); checkpoints go to OUT/best and OUT/last")
     p.add_argument("--resume", metavar="DIR", help="continue a run from its directory or a checkpoint directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --out (its checkpoints are deleted); default: refuse")
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     for flag, (_, kind, help_text) in _TRAIN_FLAGS.items():
         p.add_argument(flag, type=kind, help=help_text)
@@ -223,26 +272,26 @@ def train_configs_from_args(args):
     if args.resume:  # the run continues with its saved settings; what is given here overrides them
         from .train_io import find_checkpoint, load_train_state
 
+        if args.preset is not None:
+            raise ValueError("--preset cannot be combined with --resume: the model comes from the checkpoint "
+                             "(change single fields with --set KEY=VALUE)")
         checkpoint = find_checkpoint(args.resume)
         saved = load_train_state(checkpoint)["train_config"]
         given.setdefault("out_dir", str(checkpoint.parent))  # keep writing next to the checkpoint resumed from
         return TrainConfig.from_dict({**saved, **given}), model_set
-    given.setdefault("out_dir", str(Path("out") / args.preset))
+    preset = args.preset or DEFAULT_TRAIN_PRESET
+    given.setdefault("out_dir", str(Path("out") / preset))
     if "vocab_size" in model_set:
         raise ValueError("--set vocab_size is not allowed for train: the vocabulary comes from the tokenizer "
                          "(use --tokenizer bpe --vocab-size N)")
-    return TrainConfig.from_dict(given), TransformerConfig.from_preset(args.preset, **model_set)
+    return TrainConfig.from_dict(given), TransformerConfig.from_preset(preset, **model_set)
 
 
 def _run_train(args) -> None:
-    from .data import DatasetUnavailable
-    from .train import TrainingDiverged, train
+    from .train import train
 
     train_cfg, model_cfg = train_configs_from_args(args)
-    try:
-        result = train(train_cfg, model_cfg, resume=args.resume)
-    except (TrainingDiverged, DatasetUnavailable) as err:
-        raise SystemExit(f"mini-transformer train: {err}") from None
+    result = train(train_cfg, model_cfg, resume=args.resume, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:
         best = Path(result.out_dir) / "best"
         print(f"best val loss {result.best_val_loss:.4f}; loss curve {Path(result.out_dir) / 'loss.png'}")
@@ -258,12 +307,12 @@ def _encodes(tokenizer, text: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------- bench
-BENCHMARKS = ("decode", "attention", "train")
+BENCHMARKS = ("decode", "attention", "train", "serving", "moe")
 
 
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="run a script of benchmarks/ (from a clone of the repository)")
-    p.add_argument("name", choices=BENCHMARKS, help="decode | attention | train")
+    p.add_argument("name", choices=BENCHMARKS, help=" | ".join(BENCHMARKS))
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="passed on to the script (see its --help)")
     p.set_defaults(func=_run_bench)
 
@@ -284,24 +333,55 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mini-transformer", description="A decoder-only Transformer written by hand in PyTorch."
     )
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_info(sub)
     _add_trace(sub)
     _add_sample(sub)
     _add_train(sub)
     _add_bench(sub)
+    for command in sub.choices.values():  # `--debug` also works after the command's name
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Failures a user can cause (bad values, files, data, a diverging run, too big a model): one line each."""
+    import torch
+    from safetensors import SafetensorError
+
+    from .data import DatasetUnavailable
+    from .train_io import TrainingDiverged
+
+    return (ValueError, TypeError, OSError, SafetensorError, DatasetUnavailable, TrainingDiverged, MemoryError,
+            torch.OutOfMemoryError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Every failure is one line on stderr and a non-zero exit (2: the input, 1: a bug
+    or the environment); `--debug` shows the traceback instead."""
     args = build_parser().parse_args(argv)
+    prefix = f"mini-transformer {args.command}"
     try:
         args.func(args)
-    except (ValueError, TypeError) as err:
-        print(f"mini-transformer {args.command}: error: {err}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # output piped into `head` and closed early: not an error
         sys.stderr.close()
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"{prefix}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if args.debug:
+            raise
+        message = " ".join(str(err).split()) or type(err).__name__  # one line, whatever the exception held
+        out_of_memory = isinstance(err, RuntimeError) and "can't allocate memory" in message  # CPU allocator
+        if isinstance(err, _user_errors()) or out_of_memory:
+            print(f"{prefix}: error: {message}", file=sys.stderr)
+            return 2
+        print(f"{prefix}: internal error: {type(err).__name__}: {message} (rerun with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -233,19 +233,22 @@ def quantize(model: nn.Module, mode: str, group_size: int = 64, *, packed_kernel
 
 
 def save_quantized(model: nn.Module, path: str | Path) -> None:
-    """config.json + model.safetensors (the quantized tensors as they are) + quantization.json."""
+    """config.json + model.safetensors (the quantized tensors as they are) + quantization.json, then the
+    manifest (sizes and sha256 of the files, written last, as checkpoint.py does)."""
     from safetensors.torch import save_file
 
-    from .checkpoint import CONFIG_NAME, WEIGHTS_NAME
+    from .checkpoint import CONFIG_NAME, MANIFEST_NAME, WEIGHTS_NAME, write_manifest
 
     if not getattr(model, "quantization", None):
         raise ValueError("the model is not quantized; call quantize(model, mode) first")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    (path / MANIFEST_NAME).unlink(missing_ok=True)  # a save killed half-way must not look complete
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(state, str(path / WEIGHTS_NAME))
     (path / CONFIG_NAME).write_text(json.dumps({"model_type": "mini-transformer", **model.config.to_dict()}, indent=2))
     (path / QUANT_CONFIG_NAME).write_text(json.dumps(model.quantization, indent=2))
+    write_manifest(path)
 
 
 def is_quantized_checkpoint(path: str | Path) -> bool:
@@ -257,13 +260,14 @@ def load_quantized(path: str | Path, *, device: str | torch.device = "cpu"):
     load the saved tensors into them (strict: a missing or extra tensor is an error)."""
     from safetensors.torch import load_file
 
-    from .checkpoint import CONFIG_NAME, WEIGHTS_NAME
+    from .checkpoint import CONFIG_NAME, WEIGHTS_NAME, verify_manifest
     from .config import TransformerConfig
     from .transformer import TransformerLM
 
     path = Path(path)
     if not is_quantized_checkpoint(path):
         raise ValueError(f"path={str(path)!r} has no {QUANT_CONFIG_NAME}; expected a directory from save_quantized")
+    verify_manifest(path)
     raw = json.loads((path / CONFIG_NAME).read_text())
     raw.pop("model_type", None)
     settings = json.loads((path / QUANT_CONFIG_NAME).read_text())
