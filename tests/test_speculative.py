@@ -139,7 +139,7 @@ def test_rollback_equals_never_having_written():
         nxt = torch.randint(0, 32, (1, 2))
         torch.testing.assert_close(target(nxt, cache=a)[0], target(nxt, cache=b)[0], rtol=0, atol=1e-12)
     assert a.length == b.length == 10
-    assert a.row_lengths.tolist() == b.row_lengths.tolist() == [10]
+    assert a.next_position.tolist() == b.next_position.tolist() == [10]
     assert torch.equal(a.key_padding_mask, b.key_padding_mask)
 
 

@@ -65,7 +65,7 @@ def test_static_cache_logits_equal_kv_cache(pads, prompt_len, n_steps, spare, po
             want, _ = model(token, cache=dynamic)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     assert static.input_pos.tolist() == [prompt_len + n_steps]
-    assert static.next_position.tolist() == dynamic.row_lengths.tolist()
+    assert static.next_position.tolist() == dynamic.next_position.tolist()
 
 
 def test_single_token_prompt_goes_through_the_static_step():
