@@ -160,6 +160,8 @@ def _install_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
         message = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             message, param = f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}", None
+        elif not loc:  # the body as a whole: not a JSON object (or sent without a JSON content type)
+            message = f"the body must be a JSON object (Content-Type: application/json): {message}"
         elif param:
             message = f"{param}: {message} (got {first.get('input')!r})"
         return reply(ErrorResponse(400, message, param=param))
