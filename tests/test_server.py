@@ -265,3 +265,14 @@ def test_too_many_waiting_429(tmp_path):
             assert err.value.status_code == 429 and "waiting" in err.value.body["message"]
         server.wait_idle()
         assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0).choices
+
+
+def test_stop_token_ends_the_choice_and_is_not_in_the_text(served):
+    ids = served.tokenizer.encode("Stop on a token")
+    full = offline_greedy(served.model, [ids], 12)[0]
+    stop_id = full[5]
+    k = full.index(stop_id)
+    out = served.client.completions.create(model=MODEL, prompt="Stop on a token", max_tokens=12, temperature=0,
+                                           extra_body={"stop_token_ids": [stop_id]})
+    assert out.choices[0].text == served.tokenizer.decode(full[:k])
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == k + 1
