@@ -16,6 +16,10 @@ rule "queries sit at the end of the keys" for every sequence at once, so the bac
 logic. It copies each context once per layer: simple and exact, not the fastest (vLLM's kernel reads
 the blocks in place).
 
+Padding every sequence's queries to the longest query would make one 500-token prefill chunk pad 63
+decode queries to 500 rows each. So the sequences are split in two groups, each padded on its own:
+decode steps (1 query each: (S, H, 1, D)) and the rest (prefill chunks).
+
     meta = PagedAttentionMetadata.build(block_tables, context_lens, query_lens, block_size, device)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)     # the new tokens' K/V into their slots
     out = paged_attention(q, k_cache, v_cache, meta)         # (N, H, D)
@@ -37,21 +41,33 @@ __all__ = ["PagedAttentionMetadata", "paged_attention", "write_kv"]
 
 
 @dataclass
+class PaddedGroup:
+    """Some of the step's sequences, laid out for one contiguous attention call.
+
+    key_slots (S, Lmax): the slot of every key each sequence sees, left-padded (padding reads slot 0).
+    key_padding_mask (S, Lmax): True = a real key.
+    token_index (n,): which packed tokens (rows of q) belong to this group, in order.
+    padded_index (n,): where each of them sits in the flattened right-aligned (S * Qmax) query layout.
+    """
+
+    key_slots: torch.Tensor
+    key_padding_mask: torch.Tensor
+    token_index: torch.Tensor
+    padded_index: torch.Tensor
+    num_seqs: int
+    max_query_len: int
+
+
+@dataclass
 class PagedAttentionMetadata:
     """Where every token of one engine step lives, built once per step (every layer reuses it).
 
     slot_mapping (N,): the slot each new token's K/V is written to (vLLM's name).
-    key_slots (S, Lmax): the slot of every key each sequence sees, left-padded (padding reads slot 0).
-    key_padding_mask (S, Lmax): True = a real key.
-    query_index (N,): where each packed query sits in the flattened right-aligned (S * Qmax) layout.
+    groups: the decode sequences and the prefill sequences, each padded on its own.
     """
 
     slot_mapping: torch.Tensor
-    key_slots: torch.Tensor
-    key_padding_mask: torch.Tensor
-    query_index: torch.Tensor
-    num_seqs: int
-    max_query_len: int
+    groups: list[PaddedGroup]
 
     @classmethod
     def build(cls, block_tables: Sequence[Sequence[int]], context_lens: Sequence[int],
@@ -62,28 +78,43 @@ class PagedAttentionMetadata:
         and copied to `device` once: no value is ever read back from the device."""
         lens = zip(block_tables, context_lens, query_lens, strict=True)
         assert all(0 < n_new <= n_keys <= len(table) * block_size for table, n_keys, n_new in lens)
-        num_seqs, max_blocks = len(context_lens), max(len(table) for table in block_tables)
-        max_context, max_query = max(context_lens), max(query_lens)
-        as_long = dict(dtype=torch.long)
-        tables = torch.tensor([list(t) + [0] * (max_blocks - len(t)) for t in block_tables], **as_long)  # (S, Bmax)
-        n_keys = torch.tensor(context_lens, **as_long)[:, None]  # (S, 1)
-        n_new = torch.tensor(query_lens, **as_long)[:, None]  # (S, 1)
-        columns = torch.arange(max_context, **as_long)  # (Lmax,)
-        positions = columns - (max_context - n_keys)  # (S, Lmax): left padding gets negative positions
-        keep = positions >= 0
-        positions = positions.clamp(min=0)
-        key_slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
-        key_slots = key_slots.masked_fill(~keep, 0)  # (S, Lmax)
-        is_new = columns >= max_context - n_new  # (S, Lmax): the last n_new keys are this step's tokens
-        query_rows = torch.arange(max_query, **as_long) >= max_query - n_new  # (S, Qmax), right-aligned
-        return cls(
-            slot_mapping=key_slots[is_new].to(device),  # (N,) sequence by sequence, positions ascending
-            key_slots=key_slots.to(device),
-            key_padding_mask=keep.to(device),
-            query_index=query_rows.flatten().nonzero().squeeze(1).to(device),  # (N,)
-            num_seqs=num_seqs,
-            max_query_len=max_query,
-        )
+        first_token = [0]
+        for n in query_lens:
+            first_token.append(first_token[-1] + n)
+        slot_mapping = torch.empty(first_token[-1], dtype=torch.long)
+        groups = []
+        for in_group in (lambda n: n == 1, lambda n: n > 1):  # decode steps, then prefill chunks
+            members = [s for s, n in enumerate(query_lens) if in_group(n)]
+            if not members:
+                continue
+            group, new_slots, token_index = _pad_group(
+                [block_tables[s] for s in members], [context_lens[s] for s in members],
+                [query_lens[s] for s in members], [first_token[s] for s in members], block_size)
+            slot_mapping[token_index] = new_slots
+            groups.append(PaddedGroup(*(t.to(device) for t in group), num_seqs=len(members),
+                                      max_query_len=max(query_lens[s] for s in members)))
+        return cls(slot_mapping=slot_mapping.to(device), groups=groups)
+
+
+def _pad_group(block_tables, context_lens, query_lens, first_tokens, block_size):
+    """The left-padded key slots and right-aligned query places of some sequences (CPU tensors)."""
+    max_blocks = max(len(table) for table in block_tables)
+    max_context, max_query = max(context_lens), max(query_lens)
+    as_long = dict(dtype=torch.long)
+    tables = torch.tensor([list(t) + [0] * (max_blocks - len(t)) for t in block_tables], **as_long)  # (S, Bmax)
+    n_keys = torch.tensor(context_lens, **as_long)[:, None]  # (S, 1)
+    n_new = torch.tensor(query_lens, **as_long)[:, None]  # (S, 1)
+    columns = torch.arange(max_context, **as_long)  # (Lmax,)
+    positions = columns - (max_context - n_keys)  # (S, Lmax): left padding gets negative positions
+    keep = positions >= 0
+    positions = positions.clamp(min=0)
+    key_slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
+    key_slots = key_slots.masked_fill(~keep, 0)  # (S, Lmax)
+    is_new = columns >= max_context - n_new  # (S, Lmax): the last n_new keys are this step's tokens
+    query_rows = torch.arange(max_query, **as_long) >= max_query - n_new  # (S, Qmax), right-aligned
+    token_index = torch.cat([torch.arange(f, f + n) for f, n in zip(first_tokens, query_lens, strict=True)])
+    padded_index = query_rows.flatten().nonzero().squeeze(1)  # (n,) sequence by sequence, ascending
+    return (key_slots, keep, token_index, padded_index), key_slots[is_new], token_index
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -111,15 +142,16 @@ def paged_attention(
     `attend(q, k, v, key_padding_mask)` is a contiguous attention (causal, queries at the end of the keys),
     by default the naive reference; the model passes its own `Attend`, so the configured backend runs.
     Returns (N, H, D) in the order of q."""
+    attend = attend or _naive
     N, H, D = q.shape
-    S, Qmax = meta.num_seqs, meta.max_query_len
-    Hkv = k_cache.shape[1]
-    k = k_cache[meta.key_slots].transpose(1, 2)  # (S, Lmax, Hkv, D) -> (S, Hkv, Lmax, D)
-    v = v_cache[meta.key_slots].transpose(1, 2)  # (S, Hkv, Lmax, D)
-    padded_q = q.new_zeros(S * Qmax, H, D)
-    padded_q[meta.query_index] = q
-    padded_q = padded_q.view(S, Qmax, H, D).transpose(1, 2)  # (S, H, Qmax, D), queries right-aligned
-    assert k.shape == (S, Hkv, meta.key_slots.shape[1], D)
-    out = (attend or _naive)(padded_q, k, v, meta.key_padding_mask)  # (S, H, Qmax, D)
-    out = out.transpose(1, 2).reshape(S * Qmax, H, D)  # (S * Qmax, H, D)
-    return out[meta.query_index]  # (N, H, D)
+    out = q.new_empty(N, H, D)
+    for group in meta.groups:
+        S, Qmax = group.num_seqs, group.max_query_len
+        k = k_cache[group.key_slots].transpose(1, 2)  # (S, Lmax, Hkv, D) -> (S, Hkv, Lmax, D)
+        v = v_cache[group.key_slots].transpose(1, 2)  # (S, Hkv, Lmax, D)
+        padded_q = q.new_zeros(S * Qmax, H, D)
+        padded_q[group.padded_index] = q[group.token_index]
+        padded_q = padded_q.view(S, Qmax, H, D).transpose(1, 2)  # (S, H, Qmax, D), queries right-aligned
+        group_out = attend(padded_q, k, v, group.key_padding_mask)  # (S, H, Qmax, D)
+        out[group.token_index] = group_out.transpose(1, 2).reshape(S * Qmax, H, D)[group.padded_index]
+    return out

@@ -10,7 +10,10 @@ Prefix caching. A FULL block is named by a hash that chains its parent's hash an
 
 so equal hashes mean equal whole prefixes, not just equal blocks. `hash_to_block_id` maps a hash to the
 block that holds those tokens' K/V. A new sequence walks its prompt block by block and reuses every
-block it finds; because a hash can collide, a hit also compares the stored token ids (the guard).
+block it finds. A hash can collide, so a hit is checked exactly (the guard): the block must hold the
+same token ids, and it must have been computed after the very block matched just before it (its
+parent, still holding the same content: each block counts how often it was reallocated). By induction
+the whole prefix is then equal, whatever the hash function does.
 
 Blocks are registered in the cache when they are SCHEDULED to be filled, before the forward pass (as
 vLLM V1 does): every layer writes its K/V before it attends, so a second sequence in the same step can
@@ -35,17 +38,23 @@ def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> in
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "parent", "parent_generation", "generation")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.block_hash: int | None = None  # set while the block is in the prefix cache
-        self.token_ids: tuple[int, ...] | None = None  # what it holds, for the collision guard
+        self.generation = 0  # how many times the block was handed out: a stale parent link shows
+        self.forget()
 
     def forget(self) -> None:
-        self.block_hash = None
-        self.token_ids = None
+        self.block_hash: int | None = None  # set while the block is in the prefix cache
+        self.token_ids: tuple[int, ...] | None = None  # what it holds, for the collision guard
+        self.parent: Block | None = None  # the block holding the tokens just before (None: the first block)
+        self.parent_generation = 0
+
+    def follows(self, parent: Block | None) -> bool:
+        """Were this block's K/V computed right after `parent`'s current content?"""
+        return self.parent is parent and (parent is None or self.parent_generation == parent.generation)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -97,8 +106,11 @@ class BlockManager:
         hits: list[int] = []
         for i, block_hash in enumerate(self.block_hashes(seq, (seq.num_tokens - 1) // bs)):
             block_id = self.hash_to_block_id.get(block_hash)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens[i * bs:(i + 1) * bs]):
-                break  # a miss, or a hash collision caught by the guard
+            if block_id is None:
+                break
+            block, parent = self.blocks[block_id], self.blocks[hits[-1]] if hits else None
+            if block.token_ids != tuple(tokens[i * bs:(i + 1) * bs]) or not block.follows(parent):
+                break  # a hash collision, caught by the guard
             hits.append(block_id)
         return hits
 
@@ -112,6 +124,9 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None and hashes[i] not in self.hash_to_block_id:
                 block.block_hash, block.token_ids = hashes[i], tuple(tokens[i * bs:(i + 1) * bs])
+                if i:
+                    block.parent = self.blocks[seq.block_table[i - 1]]
+                    block.parent_generation = block.parent.generation
                 self.hash_to_block_id[hashes[i]] = block.block_id
 
     # -------------------------------------------------------------------------------- allocation
@@ -153,6 +168,7 @@ class BlockManager:
             if self.hash_to_block_id.get(block.block_hash) == block_id:
                 del self.hash_to_block_id[block.block_hash]
             block.forget()
+        block.generation += 1
         block.ref_count = 1
         return block_id
 

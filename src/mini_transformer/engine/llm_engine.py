@@ -99,7 +99,7 @@ class LLMEngine:
         self._lock = threading.RLock()
         self.counters = dict(steps=0, prefill_tokens_computed=0, decode_tokens_computed=0,
                              prefix_cache_hit_tokens=0, preemptions=0, requests_finished=0,
-                             requests_aborted=0, max_batched_tokens_seen=0)
+                             requests_aborted=0, max_batched_tokens_seen=0, mixed_steps=0)
 
     # ----------------------------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -178,6 +178,8 @@ class LLMEngine:
                 return []
             next_ids = self.runner.execute_model(plan.scheduled)
             self.counters["steps"] += 1
+            prefilling = [seq.num_computed_tokens < seq.num_prompt_tokens for seq, _ in plan.scheduled]
+            self.counters["mixed_steps"] += any(prefilling) and not all(prefilling)  # prefill beside decode
             self.counters["max_batched_tokens_seen"] = max(self.counters["max_batched_tokens_seen"],
                                                            plan.num_batched_tokens)
             return [out for (seq, n), token in zip(plan.scheduled, next_ids, strict=True)

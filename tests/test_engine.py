@@ -1,0 +1,168 @@
+"""LLMEngine against generate(): every request's greedy output equals generate() on that prompt alone,
+whatever the block size, prefix caching, token budget (chunked prefill), pool size (preemption) and
+arrival times. Seeded sampling is batch-independent. Bad requests fail alone, with a clear error."""
+
+import pytest
+import torch
+
+from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
+from mini_transformer.engine import LLMEngine
+
+VOCAB = 50
+
+
+def make_model(style: str) -> TransformerLM:
+    extra = dict(pos_emb="rope", n_kv_heads=2, norm="rmsnorm", ffn="swiglu", bias=False) if style == "llama" else {}
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_layer=2, d_ff=64, max_seq_len=64,
+                            init_std=0.2, **extra)
+    torch.manual_seed(0)
+    return TransformerLM(cfg).eval()
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def model(request):
+    return make_model(request.param)
+
+
+def make_prompts(seed=1):
+    """Ragged prompts; two share a 16-token prefix with the second (prefix caching has something to find)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 19, 9, 26, 1, 12)]
+    prompts.append(prompts[1][:16] + [3, 4, 5])
+    prompts.append(prompts[1][:16])  # a prompt that is entirely cached by then
+    return prompts
+
+
+def alone(model, prompt, max_tokens, **kw):
+    return generate(model, torch.tensor([prompt]), max_tokens, **kw)[0].tolist()
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    return [alone(model, p, 10) for p in make_prompts()]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_equals_generate_alone(model, expected, block_size, prefix_caching):
+    engine = LLMEngine(model, block_size=block_size, num_blocks=200, enable_prefix_caching=prefix_caching)
+    assert engine.generate(make_prompts(), SamplingParams(max_tokens=10), use_tqdm=False) == expected
+    stats = engine.stats()
+    assert stats["blocks_in_use"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
+    assert (stats["prefix_cache_hit_tokens"] > 0) == prefix_caching
+
+
+def test_chunked_prefill_mixes_chunks_and_decode_tokens(model, expected):
+    engine = LLMEngine(model, block_size=4, num_blocks=200, max_num_batched_tokens=7)
+    assert engine.generate(make_prompts(), SamplingParams(max_tokens=10), use_tqdm=False) == expected
+    stats = engine.stats()
+    assert stats["max_batched_tokens_seen"] <= 7
+    assert stats["mixed_steps"] > 0, "no step ran a prefill chunk beside a decode token"
+
+
+def test_preemption_keeps_outputs(model, expected):
+    engine = LLMEngine(model, block_size=4, num_blocks=12, max_num_batched_tokens=16)
+    assert engine.generate(make_prompts(), SamplingParams(max_tokens=10), use_tqdm=False) == expected
+    stats = engine.stats()
+    assert stats["preemptions"] > 0
+    assert stats["blocks_in_use"] == 0 and stats["peak_blocks_in_use"] <= 12
+
+
+def test_requests_added_while_others_run(model, expected):
+    prompts = make_prompts()
+    engine = LLMEngine(model, block_size=4, num_blocks=40, max_num_batched_tokens=12, max_num_seqs=3)
+    outputs, ids, step = {}, {}, 0
+    while len(ids) < len(prompts) or engine.has_unfinished_requests():
+        if step % 3 == 0 and len(ids) < len(prompts):  # a new request every third step
+            ids[engine.add_request(prompts[len(ids)], SamplingParams(max_tokens=10))] = len(ids)
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+        assert step < 500
+    assert [outputs[rid] for rid in sorted(ids, key=ids.get)] == expected
+
+
+def test_seeded_sampling_is_the_same_alone_or_in_a_batch():
+    model64 = make_model("llama").double()  # float64: batched and alone logits agree far below sampling noise
+    prompts = make_prompts()
+    params = [SamplingParams(max_tokens=8, temperature=1.0, top_k=20, seed=100 + i) for i in range(len(prompts))]
+    batch = LLMEngine(model64, block_size=4, num_blocks=100).generate(prompts, params, use_tqdm=False)
+    for prompt, p, got in zip(prompts, params, batch, strict=True):
+        assert got == alone(model64, prompt, p)  # generate() with the same seed
+    single = LLMEngine(model64, block_size=4, num_blocks=100).generate(prompts[:1], params[:1], use_tqdm=False)
+    assert single[0] == batch[0]
+
+
+def test_stop_tokens_and_eos_end_a_request(model):
+    prompt = make_prompts()[3]
+    free_run = alone(model, prompt, 10)
+    stop = free_run[4]
+    engine = LLMEngine(model, block_size=4, num_blocks=50, eos_token_id=stop)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=10))
+    rid_ignore = engine.add_request(prompt, SamplingParams(max_tokens=10, ignore_eos=True))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    tokens = [t for out in outs[rid] for t in out.new_token_ids]
+    assert tokens == free_run[:free_run.index(stop) + 1]
+    assert outs[rid][-1].finished and outs[rid][-1].finish_reason == "stop"
+    assert [t for out in outs[rid_ignore] for t in out.new_token_ids] == free_run
+    assert outs[rid_ignore][-1].finish_reason == "length"
+    assert not any(out.finished for out in outs[rid_ignore][:-1])
+
+
+def test_abort_frees_blocks_at_once(model):
+    engine = LLMEngine(model, block_size=4, num_blocks=50)
+    prompts = make_prompts()
+    ids = [engine.add_request(p, SamplingParams(max_tokens=20)) for p in prompts[:3]]
+    engine.step()
+    assert engine.stats()["blocks_in_use"] > 0
+    assert engine.abort(ids[1]) and not engine.abort(ids[1]) and not engine.abort("no such id")
+    for out in engine.step():
+        assert out.request_id != ids[1]
+    for rid in (ids[0], ids[2]):
+        engine.abort(rid)
+    assert engine.stats()["blocks_in_use"] == 0 and not engine.has_unfinished_requests()
+    after = engine.generate([prompts[0]], SamplingParams(max_tokens=10), use_tqdm=False)[0]
+    assert after == alone(model, prompts[0], 10)
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([], SamplingParams(), "empty"),
+    ([1, VOCAB], SamplingParams(), "vocab_size"),
+    ([1, -1], SamplingParams(), "vocab_size"),
+    ([[1, 2]], SamplingParams(), "token ids"),
+    ([1] * 60, SamplingParams(max_tokens=10), "max_seq_len"),
+    ([1] * 20, SamplingParams(max_tokens=30), "num_blocks"),
+    ([1, 2], SamplingParams(stop_token_ids=[VOCAB + 3]), "stop_token_ids"),
+])
+def test_bad_requests_fail_alone(model, prompt, params, match):
+    engine = LLMEngine(model, block_size=4, num_blocks=10)
+    good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompt, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [t for o in outs for t in o.new_token_ids] == alone(model, [1, 2, 3], 5)
+    assert outs[-1].request_id == good and engine.stats()["blocks_in_use"] == 0
+
+
+def test_bad_engine_arguments(model):
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="num_blocks"):
+        LLMEngine(model, num_blocks=0)
+    with pytest.raises(ValueError, match="smaller than one block"):
+        LLMEngine(model, block_size=16, kv_cache_bytes=100)
+    with pytest.raises(ValueError, match="not both"):
+        LLMEngine(model, num_blocks=4, kv_cache_bytes=10**6)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLMEngine(model, max_num_batched_tokens=0)
+    with pytest.raises(TypeError, match="TransformerLM"):
+        LLMEngine("model")
+    with pytest.raises(TypeError, match="SamplingParams"):
+        LLMEngine(model, num_blocks=4).add_request([1], {"max_tokens": 3})
+    engine = LLMEngine(model, block_size=4, kv_cache_bytes=10**5)
+    assert engine.stats()["kv_cache_bytes"] <= 10**5 and engine.num_blocks >= 1
