@@ -8,12 +8,11 @@ import os
 import shutil
 
 import pytest
-
 from server_support import make_char_checkpoint, offline_greedy, running_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 sync_api = pytest.importorskip("playwright.sync_api")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium)")
 WAIT_MS = 30_000  # every wait is bounded
 
 

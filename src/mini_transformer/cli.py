@@ -274,7 +274,7 @@ def _encodes(tokenizer, text: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------- bench
-BENCHMARKS = ("decode", "attention", "train", "serving")
+BENCHMARKS = ("decode", "attention", "train", "serving", "server")
 
 
 def _add_bench(sub) -> None:

@@ -72,6 +72,12 @@ class RequestHandle:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
 
 
+def _put_all(batch: list[tuple[RequestHandle, object]]) -> None:
+    """On the event loop: put each item into its request's queue."""
+    for handle, item in batch:
+        handle.queue.put_nowait((handle.index, item))
+
+
 class EngineLoop:
     def __init__(self, engine, metrics: ServerMetrics, *, max_num_seqs: int, max_waiting: int):
         self.engine, self.metrics = engine, metrics
@@ -174,7 +180,8 @@ class EngineLoop:
                 self.metrics.finished.labels("abort").inc()
 
     def _deliver(self, outputs, now: float) -> None:
-        produced = 0
+        """Hand each request its new ids: one wake-up of the event loop per step, not one per request."""
+        produced, batch = 0, []
         for out in outputs:
             handle = self._active.get(out.request_id)
             if handle is None:  # aborted while the step ran
@@ -190,7 +197,9 @@ class EngineLoop:
                 reason = self._finish_reason(out, handle)
                 del self._active[out.request_id]
                 self._observe_finished(handle, reason, now)
-            handle.push(StepOutput(new_ids, out.finished, reason))
+            batch.append((handle, StepOutput(new_ids, out.finished, reason)))
+        if batch:  # every handle lives on the server's one event loop
+            batch[0][0].loop.call_soon_threadsafe(_put_all, batch)
         self.metrics.generation_tokens.inc(produced)
         self._tokens_total += produced
         self._recent_tokens.append((now, produced))
