@@ -257,7 +257,7 @@ def main(argv=None) -> None:
     workload = make_workload(args.requests, args, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_checkpoint(Path(tmp), args)
-        offline = offline_tokens_per_s(model, workload, args)
+        offline_runs = [offline_tokens_per_s(model, workload, args)]
         proc, url = start_server(Path(tmp), args)
         try:
             asyncio.run(run_lone(url, make_workload(2, args, args.seed + 99)))  # warm up the server
@@ -268,10 +268,14 @@ def main(argv=None) -> None:
                 rate = factor * capacity
                 label = "inf (all at once)" if math.isinf(rate) else f"{rate:.2f} ({factor:g}× serial)"
                 rows.append((label, summarize(asyncio.run(run_rate(url, workload, rate, args.seed + 10 + i, label)))))
+            # the machine is shared: measure the reference again after the rates (the server idles meanwhile)
+            offline_runs.append(offline_tokens_per_s(model, workload, args))
         finally:
             proc.send_signal(signal.SIGTERM)
             code = proc.wait(timeout=120)
-    print(f"\noffline engine, same workload, this run: {offline:.1f} output tok/s; serial capacity "
+    offline = statistics.mean(offline_runs)
+    print(f"\noffline engine, same workload, this run: {offline:.1f} output tok/s (mean of "
+          f"{' and '.join(f'{x:.1f}' for x in offline_runs)}, before and after the server runs); serial capacity "
           f"{capacity:.3f} req/s; server exit status {code}; load after: {os.getloadavg()[0]:.2f}\n")
     print_table(rows, offline)
     lone_tpot = rows[0][1]["tpot_p50"]
