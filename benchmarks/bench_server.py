@@ -232,12 +232,14 @@ def plot(rows, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    lone = dict(rows)["lone"]
     rated = [(label, s) for label, s in rows if label != "lone"]
     xs = range(len(rated))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, metric in zip(axes, ("ttft", "tpot"), strict=True):
         for q, style in ((50, "o-"), (90, "s--"), (99, "^:")):
             ax.plot(xs, [s[f"{metric}_p{q}"] for _, s in rated], style, label=f"p{q}")
+        ax.axhline(lone[f"{metric}_p50"], color="grey", lw=1, label="p50 of a lone request")
         ax.set_xticks(list(xs), [label for label, _ in rated], rotation=20)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(f"{metric.upper()} (ms)")

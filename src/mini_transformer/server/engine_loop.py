@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import queue
 import threading
 import time
@@ -93,7 +92,6 @@ class EngineLoop:
         self._state_time = 0.0
         self._recent_tokens: collections.deque = collections.deque()  # (time, tokens) within RATE_WINDOW_S
         self._tokens_total = 0
-        self._ids = itertools.count()
 
     # ------------------------------------------------------------------ the asyncio side
     def start(self) -> None:
