@@ -64,33 +64,51 @@ class Generation:
         """Yield (choice index, new text, finish_reason or None) until every choice has finished."""
         pending = len(self.choices)
         while pending:
-            if self._early:
-                index, item = self._early.pop(0)
-            else:
-                index, item = await self._next(is_disconnected)
+            for index, item in (await self._next_outputs(is_disconnected)).items():
+                if self.handles[index].done:  # ended by a stop string; its last outputs were in flight
+                    continue
+                piece, finish = self._advance(index, item)
+                if finish is None and not piece:
+                    continue
+                if finish is not None:
+                    self.finish_reasons[index] = finish
+                    pending -= 1
+                    self.handles[index].done = True
+                yield index, piece, finish
+
+    async def _next_outputs(self, is_disconnected) -> dict[int, StepOutput]:
+        """Wait for news, then take everything already queued, merged per choice: when the HTTP side falls
+        behind the engine, a choice's tokens of several steps go out in one chunk (vLLM does the same)."""
+        items, self._early = self._early, []
+        if not items:
+            items.append(await self._next(is_disconnected))
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        merged: dict[int, StepOutput] = {}
+        for index, item in items:
             if isinstance(item, Failed):
                 raise item.error
             if isinstance(item, Accepted):
                 continue
-            text = self.texts[index]
-            self.n_tokens[index] += len(item.new_token_ids)
-            ids = item.new_token_ids
-            if item.finish_reason == "stop" and ids and ids[-1] in self.choices[index][1].stop_token_ids:
-                ids = ids[:-1]  # the stop token ends the text but is not part of it (OpenAI's rule)
-            piece = text.add(ids, final=item.finished)
-            finish = item.finish_reason if item.finished else None
-            if text.stopped and not item.finished:  # a stop string: end the choice here
+            before = merged.get(index)
+            merged[index] = item if before is None else StepOutput(
+                before.new_token_ids + item.new_token_ids, item.finished, item.finish_reason)
+        return merged
+
+    def _advance(self, index: int, item: StepOutput) -> tuple[str, str | None]:
+        """Feed a choice's new ids to its text; (text to send, finish_reason or None)."""
+        text = self.texts[index]
+        self.n_tokens[index] += len(item.new_token_ids)
+        ids = item.new_token_ids
+        if item.finish_reason == "stop" and ids and ids[-1] in self.choices[index][1].stop_token_ids:
+            ids = ids[:-1]  # the stop token ends the text but is not part of it (OpenAI's rule)
+        piece = text.add(ids, final=item.finished)
+        finish = item.finish_reason if item.finished else None
+        if text.stopped:  # a stop string: the choice ends here (abort it if the engine is still on it)
+            if not item.finished:
                 self.engine_loop.abort(self.handles[index])
-                finish = "stop"
-            elif text.stopped:
-                finish = "stop"
-            if finish is None and not piece:
-                continue
-            if finish is not None:
-                self.finish_reasons[index] = finish
-                pending -= 1
-                self.handles[index].done = True
-            yield index, piece, finish
+            finish = "stop"
+        return piece, finish
 
     async def _next(self, is_disconnected):
         if is_disconnected is None:
