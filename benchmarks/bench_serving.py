@@ -14,7 +14,7 @@ prefix with different 16-token suffixes, all added at once: prompt tokens comput
 on vs off, and time to first token of one more request with the prefix cached (warm) vs not (cold).
 
     python benchmarks/bench_serving.py                              # the full run (minutes on 2 cores)
-    python benchmarks/bench_serving.py --requests 8 --max-len 64    # a quick look
+    python benchmarks/bench_serving.py --quick                      # a quick look (16 requests of 16-64 tokens)
     python benchmarks/bench_serving.py --plot pool.png              # the block pool over time
 """
 
@@ -53,7 +53,12 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--plot", metavar="PNG", help="draw the block pool over time to this PNG")
-    return p.parse_args(argv)
+    p.add_argument("--quick", action="store_true",
+                   help="a small run (16 requests of 16-64 tokens, 8 prefix requests on a 64-token prefix)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.requests, args.max_len, args.prefix_requests, args.prefix_len = 16, 64, 8, 64
+    return args
 
 
 def build_model(args) -> TransformerLM:

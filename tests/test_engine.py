@@ -4,6 +4,8 @@ arrival times. Seeded sampling is batch-independent. Bad requests fail alone, wi
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
 from mini_transformer.engine import LLMEngine
@@ -166,3 +168,93 @@ def test_bad_engine_arguments(model):
         LLMEngine(model, num_blocks=4).add_request([1], {"max_tokens": 3})
     engine = LLMEngine(model, block_size=4, kv_cache_bytes=10**5)
     assert engine.stats()["kv_cache_bytes"] <= 10**5 and engine.num_blocks >= 1
+
+
+def test_triton_backend_walks_the_block_tables_in_its_kernel():
+    pytest.importorskip("triton")  # Triton's interpreter here (conftest sets TRITON_INTERPRET=1)
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=32, n_heads=2, n_kv_heads=1, n_layer=1, d_ff=32,
+                            max_seq_len=32, pos_emb="rope", init_std=0.2, attn_backend="triton")
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).eval()
+    prompts = make_prompts()[:3]
+    engine = LLMEngine(model, block_size=4, num_blocks=30, max_num_batched_tokens=8)
+    got = engine.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert got == [alone(model, p, 4) for p in prompts]
+    assert engine.stats()["mixed_steps"] > 0
+    with pytest.raises(ValueError, match="power of two"):
+        LLMEngine(model, block_size=3, num_blocks=4)
+
+
+def test_a_failing_forward_pass_ends_its_requests_and_leaves_the_engine_usable(model, monkeypatch):
+    engine = LLMEngine(model, block_size=4, num_blocks=50)
+    prompt = make_prompts()[3]
+    engine.add_request(prompt, SamplingParams(max_tokens=5))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.runner, "execute_model", broken)
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.step()
+    stats = engine.stats()
+    assert not engine.has_unfinished_requests() and stats["blocks_in_use"] == 0 and stats["cached_blocks"] == 0
+    assert engine.generate([prompt], SamplingParams(max_tokens=5), use_tqdm=False)[0] == alone(model, prompt, 5)
+
+
+def test_repetition_penalty_sees_the_whole_sequence(model):
+    prompts = make_prompts()[:3]
+    params = SamplingParams(max_tokens=10, repetition_penalty=1.8)
+    got = LLMEngine(model, block_size=4, num_blocks=60).generate(prompts, params, use_tqdm=False)
+    assert got == [alone(model, p, params) for p in prompts]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), block_size=st.sampled_from([1, 2, 4, 16]), budget=st.integers(1, 24),
+       max_num_seqs=st.integers(1, 4), caching=st.booleans())
+def test_random_workloads_equal_generate(data, block_size, budget, max_num_seqs, caching):
+    """Random prompts (some sharing a prefix), budgets down to 1 token per step, pools barely larger than
+    the biggest request, requests arriving at random steps: every output equals generate() alone."""
+    model = make_model("llama")
+    base = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20))
+    prompts = [data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20)) for _ in range(4)]
+    prompts = [base + p if i % 2 else p for i, p in enumerate(prompts)]
+    max_tokens = data.draw(st.integers(1, 6))
+    biggest = -(-max(len(p) + max_tokens for p in prompts) // block_size)
+    engine = LLMEngine(model, block_size=block_size, num_blocks=biggest + data.draw(st.integers(0, 6)),
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_prefix_caching=caching)
+    arrivals = sorted(data.draw(st.lists(st.integers(0, 8), min_size=4, max_size=4)))
+    ids, outputs, step = {}, {}, 0
+    while len(ids) < len(prompts) or engine.has_unfinished_requests():
+        while len(ids) < len(prompts) and arrivals[len(ids)] <= step:
+            ids[engine.add_request(prompts[len(ids)], SamplingParams(max_tokens=max_tokens))] = len(ids)
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+        assert step < 1000
+    assert [outputs[rid] for rid in sorted(ids, key=ids.get)] == [alone(model, p, max_tokens) for p in prompts]
+    assert engine.stats()["blocks_in_use"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_engine_on_cuda_equals_generate(backend):
+    """On a GPU (benchmarks/gpu_check.py runs `pytest -k cuda` with TRITON_INTERPRET=0): the pool, the
+    paged attention (gathered for sdpa, the Triton kernel for triton) and sampling all on the device."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from mini_transformer.attention.triton_paged import _kernels_are_interpreted
+
+        if _kernels_are_interpreted():
+            pytest.skip("TRITON_INTERPRET=1: the kernels would not run on the GPU")
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=64, n_heads=4, n_kv_heads=2, n_layer=2, d_ff=128,
+                            max_seq_len=64, pos_emb="rope", norm="rmsnorm", ffn="swiglu", init_std=0.2,
+                            attn_backend=backend)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).to("cuda").eval()
+    prompts = make_prompts()
+    engine = LLMEngine(model, block_size=4, num_blocks=40, max_num_batched_tokens=16)
+    got = engine.generate(prompts, SamplingParams(max_tokens=10), use_tqdm=False)
+    assert got == [generate(model, torch.tensor([p], device="cuda"), 10)[0].tolist() for p in prompts]
+    stats = engine.stats()
+    assert stats["mixed_steps"] > 0 and stats["blocks_in_use"] == 0

@@ -49,7 +49,7 @@ def check_cached_equals_recompute(model, idx, mask, n_steps, chunk=1, atol=1e-5)
             full_logits, _ = model(seq, attention_mask=seq_mask)
             torch.testing.assert_close(step_logits, full_logits[:, -new.shape[1]:], rtol=0, atol=atol)
     assert cache.length == seq.shape[1]
-    assert cache.row_lengths.tolist() == seq_mask.sum(dim=1).tolist()
+    assert cache.next_position.tolist() == seq_mask.sum(dim=1).tolist()
 
 
 @pytest.mark.parametrize("backend", ["naive", "sdpa"])
@@ -177,7 +177,7 @@ def test_reset_makes_the_cache_reusable():
         first, _ = model(idx, attention_mask=mask, cache=cache)
         model(torch.randint(0, VOCAB, (2, 3)), cache=cache)
         cache.reset()
-        assert cache.length == 0 and cache.row_lengths.tolist() == [0, 0]
+        assert cache.length == 0 and cache.next_position.tolist() == [0, 0]
         again, _ = model(idx, attention_mask=mask, cache=cache)
     torch.testing.assert_close(again, first, rtol=0, atol=0)
 
@@ -198,7 +198,7 @@ def test_begin_positions_count_real_tokens_only():
     assert positions[:, 2:].tolist() == [[0, 1], [2, 3]] and positions[1].tolist() == [0, 1, 2, 3]
     positions = cache.begin(torch.zeros(2, 1, dtype=torch.long), None)
     assert positions.tolist() == [[2], [4]] and mask_handed_to_attention(cache).shape == (2, 5)
-    assert cache.row_lengths.tolist() == [3, 5]  # begin counts the new tokens at once
+    assert cache.next_position.tolist() == [3, 5]  # begin counts the new tokens at once
     assert (cache.start, cache.length) == (4, 5)
 
 

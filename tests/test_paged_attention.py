@@ -2,6 +2,10 @@
 pool, its queries a suffix of its keys (decode, prefill chunk, prefix-cache hit) or all of them."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +108,83 @@ def test_paged_equals_contiguous_random_shapes(data, block_size, groups):
     query_lens = [data.draw(st.integers(1, n)) for n in context_lens]
     out, seqs, _, _ = run_paged(context_lens, query_lens, block_size, 4, 4 // groups, 4, torch.float64)
     torch.testing.assert_close(out, contiguous(seqs, torch.float64), atol=1e-12, rtol=0)
+
+
+def run_triton(context_lens, query_lens, block_size, H, Hkv, D):
+    from mini_transformer.attention.triton_paged import triton_paged_attention
+
+    tables, seqs, (q, k, v), k_cache, v_cache = scatter_sequences(
+        context_lens, query_lens, block_size, H, Hkv, D, torch.float32)
+    meta = PagedAttentionMetadata.build(tables, context_lens, query_lens, block_size)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = triton_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.token_seq, meta.token_pos, block_size)
+    return out, seqs
+
+
+@pytest.mark.parametrize("context_lens, query_lens, block_size, H, Hkv, D", [
+    ([5, 3, 1], [5, 1, 1], 1, 2, 2, 4),  # whole prompts and decode steps, one token per block
+    ([17, 8, 33], [4, 8, 16], 4, 4, 2, 8),  # suffix queries (prefill chunks, prefix hits), GQA
+    ([20, 6, 1], [1, 6, 1], 16, 4, 1, 6),  # MQA, a head size that is not a power of two
+])
+def test_triton_kernel_reading_the_block_table_equals_contiguous(context_lens, query_lens, block_size, H, Hkv, D):
+    pytest.importorskip("triton")  # runs in Triton's interpreter here (conftest sets TRITON_INTERPRET=1)
+    out, seqs = run_triton(context_lens, query_lens, block_size, H, Hkv, D)
+    assert (out - contiguous(seqs, torch.float32)).abs().max() <= 1e-6
+
+
+COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from mini_transformer.attention import triton_paged as tp
+
+target = GPUTarget("cuda", 90, 32)
+backend = triton.compiler.make_backend(target)
+kernel = tp._paged_kernel
+for ty, block_size, head_dim in (("fp16", 16, 64), ("fp32", 1, 128), ("bf16", 4, 32)):
+    consts = dict(BLOCK_SIZE=block_size, BLOCK_D=head_dim)
+    pointers = dict(BLOCK_TABLES="*i32", TOKEN_SEQ="*i64", TOKEN_POS="*i64")
+    sig = {n: "constexpr" if n in consts else pointers.get(n, "*" + ty) if n.isupper()
+           else "fp32" if n == "scale" else "i32" for n in kernel.arg_names}
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts)
+    options = backend.parse_options(dict(num_warps=4, num_stages=1))
+    triton.compile(src, target=target, options=options.__dict__)
+print("compiled")
+"""
+
+
+def test_triton_paged_kernel_compiles_for_a_gpu(tmp_path):
+    """The interpreter never runs the Triton compiler: compile the kernel for sm_90 (no GPU needed), so
+    that GPU-only errors (a loop bound read from memory, scalar types in the loop) fail here."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if done.returncode != 0 and "ptxas" in done.stderr and "not found" in done.stderr.lower():
+        pytest.skip("this triton install has no ptxas to compile with")
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+def test_triton_kernel_on_cuda_equals_contiguous(dtype, tolerance):
+    pytest.importorskip("triton")
+    from mini_transformer.attention.triton_paged import _kernels_are_interpreted, triton_paged_attention
+
+    if _kernels_are_interpreted():
+        pytest.skip("TRITON_INTERPRET=1: the kernel would not run on the GPU")
+    context_lens, query_lens, block_size = [300, 17, 1, 64], [1, 17, 1, 20], 16
+    tables, seqs, (q, k, v), k_cache, v_cache = scatter_sequences(
+        context_lens, query_lens, block_size, 8, 2, 64, torch.float32)
+    meta = PagedAttentionMetadata.build(tables, context_lens, query_lens, block_size, "cuda")
+    to = dict(device="cuda", dtype=dtype)
+    k_cache, v_cache = k_cache.to(**to), v_cache.to(**to)
+    write_kv(k_cache, v_cache, k.to(**to), v.to(**to), meta.slot_mapping)
+    out = triton_paged_attention(q.to(**to), k_cache, v_cache, meta.block_tables, meta.token_seq, meta.token_pos,
+                                 block_size)
+    reference = contiguous([(a.to(dtype).double(), b.to(dtype).double(), c.to(dtype).double()) for a, b, c in seqs],
+                           torch.float64)
+    assert (out.double().cpu() - reference).abs().max() <= tolerance
+    gathered = paged_attention(q.to(**to), k_cache, v_cache, meta)
+    assert (gathered.double().cpu() - reference).abs().max() <= tolerance

@@ -205,16 +205,16 @@ def test_bad_values_raise(kwargs, error, message):
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
+    "kwargs, error, message",
     [
-        (dict(max_tokens=0), "max_tokens=0 must be a positive integer"),
-        (dict(max_tokens=2.0), "max_tokens=2.0"),
-        (dict(stop_token_ids=[1, -2]), r"stop_token_ids=\[1, -2\] must be a list of non-negative token ids"),
-        (dict(stop_token_ids=5), "stop_token_ids=5"),
+        (dict(max_tokens=0), ValueError, "max_tokens=0 must be a positive integer"),
+        (dict(max_tokens=2.0), TypeError, "max_tokens=2.0 must be an int"),
+        (dict(stop_token_ids=[1, -2]), ValueError, r"stop_token_ids=\[1, -2\] must be a list of non-negative"),
+        (dict(stop_token_ids=5), ValueError, "stop_token_ids=5"),
     ],
 )
-def test_bad_lengths_and_stops_raise(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+def test_bad_lengths_and_stops_raise(kwargs, error, message):
+    with pytest.raises(error, match=message):
         SamplingParams(**kwargs)
     with pytest.raises(TypeError, match="seed='x' must be an int"):
         SamplingParams(seed="x")

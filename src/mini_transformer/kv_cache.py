@@ -93,11 +93,6 @@ class KVCache:
         """2 (k and v) * n_layer * B * Hkv * max_len * D * bytes per element."""
         return self.k.nbytes + self.v.nbytes
 
-    @property
-    def row_lengths(self) -> torch.Tensor:
-        """(B,) number of real (non-padding) tokens cached per row."""
-        return self.next_position.clone()
-
     def check_fits(self, cfg: TransformerConfig, batch_size: int, n_new: int, dtype: torch.dtype) -> None:
         """Raise ValueError unless this cache can take `n_new` tokens of a `cfg` model running in `dtype`.
         The model's door calls it when a user hands in a cache."""

@@ -28,6 +28,21 @@ def _is_int(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, int)
 
 
+# field: (type test, what type, value test, what values) -- None is allowed for every optional field
+_RULES = {
+    "temperature": (_is_number, "a number", lambda v: math.isfinite(v) and v >= 0.0,
+                    "a finite number >= 0 (0 means greedy)"),
+    "top_k": (_is_int, "an int or None", lambda v: v >= 1, ">= 1"),
+    "top_p": (_is_number, "a number or None", lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    "min_p": (_is_number, "a number or None", lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+    "repetition_penalty": (_is_number, "a number or None", lambda v: math.isfinite(v) and v > 0.0,
+                           "a finite number > 0 (1 = off)"),
+    "max_tokens": (_is_int, "an int", lambda v: v >= 1, "a positive integer"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "a bool", lambda v: True, ""),
+    "seed": (_is_int, "an int or None", lambda v: True, ""),
+}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop, for one request (or one `generate` call).
@@ -48,42 +63,18 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_number(self.temperature):
-            raise TypeError(f"temperature={self.temperature!r} must be a number")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            raise ValueError(f"temperature={self.temperature} must be a finite number >= 0 (0 means greedy)")
-        if self.top_k is not None:
-            if not _is_int(self.top_k):
-                raise TypeError(f"top_k={self.top_k!r} must be an int or None")
-            if self.top_k < 1:
-                raise ValueError(f"top_k={self.top_k} must be >= 1")
-        if self.top_p is not None:
-            if not _is_number(self.top_p):
-                raise TypeError(f"top_p={self.top_p!r} must be a number or None")
-            if not 0.0 < self.top_p <= 1.0:
-                raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.min_p is not None:
-            if not _is_number(self.min_p):
-                raise TypeError(f"min_p={self.min_p!r} must be a number or None")
-            if not 0.0 <= self.min_p <= 1.0:
-                raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
-        if self.repetition_penalty is not None:
-            if not _is_number(self.repetition_penalty):
-                raise TypeError(f"repetition_penalty={self.repetition_penalty!r} must be a number or None")
-            if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
-                raise ValueError(
-                    f"repetition_penalty={self.repetition_penalty} must be a finite number > 0 (1 = off)"
-                )
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens!r} must be a positive integer")
+        for name, (is_type, type_text, is_valid, values_text) in _RULES.items():
+            value = getattr(self, name)
+            if value is None and name not in ("temperature", "max_tokens", "ignore_eos"):
+                continue
+            if not is_type(value):
+                raise TypeError(f"{name}={value!r} must be {type_text}")
+            if not is_valid(value):
+                raise ValueError(f"{name}={value} must be {values_text}")
         stops = self.stop_token_ids
         if not isinstance(stops, tuple | list) or not all(_is_int(t) and t >= 0 for t in stops):
             raise ValueError(f"stop_token_ids={stops!r} must be a list of non-negative token ids")
         object.__setattr__(self, "stop_token_ids", tuple(stops))  # a list is accepted, a tuple is kept
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos={self.ignore_eos!r} must be a bool")
-        if self.seed is not None and not _is_int(self.seed):
-            raise TypeError(f"seed={self.seed!r} must be an int or None")
 
     @property
     def greedy(self) -> bool:

@@ -64,10 +64,16 @@ class PagedAttentionMetadata:
 
     slot_mapping (N,): the slot each new token's K/V is written to (vLLM's name).
     groups: the decode sequences and the prefill sequences, each padded on its own.
+    block_tables (S, Bmax) int32, token_seq (N,), token_pos (N,): what the Triton kernel reads instead
+    (each token's sequence and position; it walks the block table itself).
     """
 
     slot_mapping: torch.Tensor
     groups: list[PaddedGroup]
+    block_tables: torch.Tensor
+    token_seq: torch.Tensor
+    token_pos: torch.Tensor
+    block_size: int
 
     @classmethod
     def build(cls, block_tables: Sequence[Sequence[int]], context_lens: Sequence[int],
@@ -93,7 +99,12 @@ class PagedAttentionMetadata:
             slot_mapping[token_index] = new_slots
             groups.append(PaddedGroup(*(t.to(device) for t in group), num_seqs=len(members),
                                       max_query_len=max(query_lens[s] for s in members)))
-        return cls(slot_mapping=slot_mapping.to(device), groups=groups)
+        max_blocks = max(len(table) for table in block_tables)
+        tables = torch.tensor([list(t) + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
+        token_seq = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        token_pos = torch.cat([torch.arange(k - n, k) for k, n in zip(context_lens, query_lens, strict=True)])
+        return cls(slot_mapping=slot_mapping.to(device), groups=groups, block_tables=tables.to(device),
+                   token_seq=token_seq.to(device), token_pos=token_pos.to(device), block_size=block_size)
 
 
 def _pad_group(block_tables, context_lens, query_lens, first_tokens, block_size):

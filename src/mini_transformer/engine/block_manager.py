@@ -172,6 +172,16 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
+    def forget_uncomputed(self, seq: Sequence) -> None:
+        """Take the blocks seq was about to fill out of the prefix cache (they were registered when
+        scheduled): after a failed forward pass their contents cannot be trusted."""
+        for block_id in seq.block_table[seq.num_computed_tokens // self.block_size:]:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                if self.hash_to_block_id.get(block.block_hash) == block_id:
+                    del self.hash_to_block_id[block.block_hash]
+                block.forget()
+
     def free(self, seq: Sequence) -> None:
         """Let go of seq's blocks. The last block goes on the free list first, so a sequence's tail is
         evicted before its head (heads are what other prompts share). A block that holds no cached

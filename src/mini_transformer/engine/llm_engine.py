@@ -58,11 +58,14 @@ class LLMEngine:
     ):
         """`num_blocks` KV blocks of `block_size` tokens; or as many as fit in `kv_cache_bytes`; or, with
         neither, a share of memory (capped at what max_num_seqs full-length sequences could use).
-        `eos_token_id` ends a request unless its SamplingParams say ignore_eos."""
+        `eos_token_id` ends a request unless its SamplingParams say ignore_eos. The model is put in eval
+        mode (the engine only runs inference) and is used as it is: its device and dtype are the pool's."""
         if not isinstance(model, TransformerLM):
             raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
         cfg = model.config
         _positive_int("block_size", block_size)
+        if cfg.attn_backend == "triton" and block_size & (block_size - 1):
+            raise ValueError(f"block_size={block_size}: the triton backend's paged kernel needs a power of two")
         _positive_int("max_num_seqs", max_num_seqs)
         _positive_int("max_num_batched_tokens", max_num_batched_tokens)
         if not isinstance(enable_prefix_caching, bool):
@@ -168,7 +171,8 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample. Returns one RequestOutput per request that produced a
-        token in this step (a request still in the middle of its prefill produces none)."""
+        token in this step (a request still in the middle of its prefill produces none). If the forward
+        pass raises, the requests of this step end with finish_reason "error" and the error propagates."""
         with self._lock:
             plan = self.scheduler.schedule()
             self.counters["preemptions"] += len(plan.preempted)
@@ -176,7 +180,11 @@ class LLMEngine:
             if not plan.scheduled:
                 assert not self.scheduler.has_unfinished(), "the scheduler made no progress"
                 return []
-            next_ids = self.runner.execute_model(plan.scheduled)
+            try:
+                next_ids = self.runner.execute_model(plan.scheduled)
+            except Exception:
+                self._fail(plan.scheduled)
+                raise
             self.counters["steps"] += 1
             prefilling = [seq.num_computed_tokens < seq.num_prompt_tokens for seq, _ in plan.scheduled]
             self.counters["mixed_steps"] += any(prefilling) and not all(prefilling)  # prefill beside decode
@@ -184,6 +192,15 @@ class LLMEngine:
                                                            plan.num_batched_tokens)
             return [out for (seq, n), token in zip(plan.scheduled, next_ids, strict=True)
                     if (out := self._update(seq, n, token)) is not None]
+
+    def _fail(self, scheduled) -> None:
+        """The forward pass raised: the requests in it end (finish_reason "error"), their half-written
+        blocks leave the prefix cache, and the engine stays usable for the others."""
+        for seq, _ in scheduled:
+            self.block_manager.forget_uncomputed(seq)
+            self.scheduler.finish(seq)
+            seq.finish("error")
+            self.requests.pop(seq.request_id, None)
 
     def _update(self, seq: Sequence, num_new: int, token: int | None) -> RequestOutput | None:
         start = seq.num_computed_tokens

@@ -35,8 +35,16 @@ class PagedBatch:
         """q (1, H, N, D); k, v (1, Hkv, N, D). Write every new token's K/V first, then attend: a sequence
         that shares a block filled in this same step reads it already written."""
         k_cache, v_cache = self.kv_cache[0, layer], self.kv_cache[1, layer]  # (num_slots, Hkv, D) views
-        write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), self.meta.slot_mapping)
-        out = paged_attention(q[0].transpose(0, 1), k_cache, v_cache, self.meta, attend)  # (N, H, D)
+        meta = self.meta
+        write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), meta.slot_mapping)
+        q = q[0].transpose(0, 1)  # (N, H, D)
+        if attend.backend == "triton":  # the kernel walks the block tables itself: no gathered copy
+            from ..attention.triton_paged import triton_paged_attention
+
+            out = triton_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.token_seq, meta.token_pos,
+                                         meta.block_size)
+        else:
+            out = paged_attention(q, k_cache, v_cache, meta, attend)  # (N, H, D)
         return out.transpose(0, 1)[None]  # (1, H, N, D)
 
 
@@ -89,7 +97,9 @@ class ModelRunner:
             params = seq.params
             if params.greedy and not params.repetition_penalty:
                 continue
-            previous = torch.tensor([seq.tokens], dtype=torch.long, device=self.device)  # (1, T)
+            previous = None  # the tokens so far matter only to the repetition penalty
+            if params.repetition_penalty:
+                previous = torch.tensor([seq.tokens], dtype=torch.long, device=self.device)  # (1, T)
             next_ids[row] = sample_next(logits[row:row + 1], params, previous_ids=previous,
                                         generator=seq.generator)[0]
         return next_ids

@@ -27,7 +27,8 @@ class SequenceStatus(enum.Enum):
 @dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request: the token(s) it added, and whether it is done.
-    finish_reason: None while running, "stop" (a stop or EOS token), "length" (max_tokens) or "abort"."""
+    finish_reason: None while running, "stop" (a stop or EOS token), "length" (max_tokens), "abort", or
+    "error" (the step's forward pass raised; see LLMEngine.step)."""
 
     request_id: str
     new_token_ids: list[int]
