@@ -11,16 +11,21 @@ Every HF tensor is checked: a missing, unexpected or mis-shaped one raises Value
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .config import TransformerConfig
 
 # architectures[0] in config.json -> our family name (model_type is the fallback when it is absent)
-ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
+ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
+                 # the families of hf_families.py (Llama's block plus named switches)
+                 "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 # Buffers that old GPT-2 checkpoints carry (the causal mask); they hold no learned values.
 GPT2_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
@@ -102,17 +107,23 @@ def llama_config(raw: dict, **overrides) -> TransformerConfig:
 
 def config_from_hf(raw: dict, **overrides) -> TransformerConfig:
     """Our TransformerConfig for a HF config.json dict. `overrides` change fields (e.g. attn_backend)."""
-    return {"gpt2": gpt2_config, "llama": llama_config}[hf_family(raw)](raw, **overrides)
+    family = hf_family(raw)
+    if family not in ("gpt2", "llama"):
+        from .hf_families import family_config
+
+        return family_config(raw, family, **overrides)
+    return {"gpt2": gpt2_config, "llama": llama_config}[family](raw, **overrides)
 
 
 @dataclass(frozen=True)
 class Rule:
     """Our tensor `target` is built from HF `sources`: one tensor (optionally transposed) or several
-    concatenated along dim 0 (Llama q, k, v -> W_qkv)."""
+    concatenated along dim 0 (Llama q, k, v -> W_qkv), or stacked along a new dim 0 (MoE experts)."""
 
     target: str
     sources: tuple[str, ...]
     transpose: bool = False
+    stack: bool = False
 
 
 def gpt2_rules(cfg: TransformerConfig) -> list[Rule]:
@@ -148,6 +159,8 @@ def source_shapes(rule: Rule, target_shape: tuple[int, ...], cfg: TransformerCon
     """The shape each HF source tensor must have to build a target of `target_shape`."""
     if rule.transpose:
         return [tuple(reversed(target_shape))]
+    if rule.stack:
+        return [target_shape[1:]] * len(rule.sources)
     if len(rule.sources) == 1:
         return [target_shape]
     q_rows, kv_rows = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head  # W_qkv rows: q, then k, then v
@@ -174,7 +187,12 @@ def convert_hf_state(
     def in_file(name: str) -> str:  # the name as the checkpoint file spells it, for error messages
         return file_names.get(name, name if name == "lm_head.weight" else prefix + name)
 
-    rules = gpt2_rules(cfg) if family == "gpt2" else llama_rules(cfg)
+    if family in ("gpt2", "llama"):
+        rules = gpt2_rules(cfg) if family == "gpt2" else llama_rules(cfg)
+    else:
+        from .hf_families import family_rules
+
+        rules = family_rules(cfg, family)
     if cfg.tie_weights:
         state.pop("lm_head.weight", None)  # some files repeat the tied head; the embedding is the source
     else:
@@ -200,23 +218,48 @@ def convert_hf_state(
     converted = {}
     for rule in rules:
         parts = [state[name] for name in rule.sources]
-        tensor = parts[0].t() if rule.transpose else torch.cat(parts, dim=0)
+        tensor = parts[0].t() if rule.transpose else torch.stack(parts) if rule.stack else torch.cat(parts, dim=0)
         converted[rule.target] = tensor.contiguous()
     return converted
+
+
+def _read_weight_file(file: Path) -> dict[str, torch.Tensor]:
+    """One safetensors or pickle-free torch file; ValueError naming it when it cannot be read."""
+    try:
+        if file.suffix == ".safetensors":
+            return load_file(str(file))
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except (SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError, OSError) as err:
+        raise ValueError(f"{file} cannot be read ({type(err).__name__}: {err})") from None
+
+
+def weight_files(path: Path, weights_name: str) -> list[Path]:
+    """The files holding `weights_name`: itself, or the shards its `.index.json` names. Every named file
+    must lie inside `path` (a crafted index must not make us read elsewhere)."""
+    index = path / f"{weights_name}.index.json"
+    if not index.is_file():
+        return [path / weights_name] if (path / weights_name).is_file() else []
+    try:
+        weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{index} is not a valid index: expected JSON with a 'weight_map' object ({err})") from None
+    files = []
+    for name in names:  # checked by name, not by resolving links: HF's cache links each file to a blob
+        parts = Path(str(name)).parts
+        if not parts or Path(str(name)).is_absolute() or ".." in parts:
+            raise ValueError(f"{index} names {name!r}, which lies outside the checkpoint directory {path}")
+        files.append(path / str(name))
+    return files
 
 
 def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a HF directory: model.safetensors, pytorch_model.bin, or their sharded *.index.json."""
     for weights_name in ("model.safetensors", "pytorch_model.bin"):
-        index = path / f"{weights_name}.index.json"
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-            else [weights_name] if (path / weights_name).is_file() else []
+        files = weight_files(path, weights_name)
         state = {}
         for file in files:
-            if file.endswith(".safetensors"):
-                state.update(load_file(str(path / file)))
-            else:
-                state.update(torch.load(path / file, map_location="cpu", weights_only=True))
+            state.update(_read_weight_file(file))
         if files:
             return state
     raise ValueError(f"path={str(path)!r} has no model.safetensors or pytorch_model.bin (nor a sharded index)")
