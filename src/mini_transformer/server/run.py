@@ -10,7 +10,8 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from ..checkpoint import load_pretrained
+from ..checkpoint import resolve_checkpoint_dir
+from ..transformer import TransformerLM
 from .app import ServerContext, create_app
 from .engine_loop import EngineLoop
 from .metrics import ServerMetrics
@@ -32,8 +33,10 @@ def build_context(checkpoint: str | Path, *, model_name: str | None = None, api_
             raise ValueError(f"{name}={value!r} must be a non-negative integer")
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty; give a key, or none to serve without one")
+    checkpoint = resolve_checkpoint_dir(checkpoint)  # `best` is found even in the middle of a save
     codec = TextCodec(checkpoint)
-    model = load_pretrained(checkpoint, device=device) if model is None else model
+    if model is None:  # verifies the checkpoint's manifest first
+        model = TransformerLM.from_pretrained(checkpoint, device=device)
     engine = LLMEngine(model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     stats = engine.stats()

@@ -90,8 +90,9 @@ class IncrementalText:
 
     The whole output is decoded again at each step (BPE pieces merge, one character may span several
     byte tokens); text ending in an unfinished character (U+FFFD) waits for the next token. With stop
-    strings, the tail that could still become a stop string is held back, and at a stop string the text
-    is cut just before it (the stop string itself is not returned, as in OpenAI's API).
+    strings, the tail that could still become a stop string is held back; after the first token with
+    which the text contains a stop string, the text is cut just before the earliest one (the stop string
+    itself is not returned, as in OpenAI's API).
     """
 
     def __init__(self, codec: TextCodec, stop: list[str]):
@@ -103,16 +104,23 @@ class IncrementalText:
         self.stopped = False  # a stop string was found: nothing more to send
 
     def add(self, new_ids: list[int], final: bool) -> str:
-        """Take the new ids; return the text that is now safe to send ('' if none)."""
+        """Take the new ids; return the text that is now safe to send ('' if none).
+
+        Stop strings are looked for after each token, as if the ids came one at a time, so where a text
+        is cut does not depend on how many tokens arrived together."""
         if self.stopped:
             return ""
-        self.ids.extend(new_ids)
-        text = self.codec.decode(self.ids)
         if self.stop:
-            hits = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]
-            if hits:
-                self.stopped = True
-                return self._emit(text, min(hits))
+            for token in new_ids:
+                self.ids.append(token)
+                text = self.codec.decode(self.ids)
+                hits = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]
+                if hits:
+                    self.stopped = True
+                    return self._emit(text, min(hits))
+        else:
+            self.ids.extend(new_ids)
+        text = self.codec.decode(self.ids)
         if final:
             return self._emit(text, len(text))
         end = len(text) - self.hold
