@@ -276,3 +276,36 @@ def test_stop_token_ends_the_choice_and_is_not_in_the_text(served):
                                            extra_body={"stop_token_ids": [stop_id]})
     assert out.choices[0].text == served.tokenizer.decode(full[:k])
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == k + 1
+
+
+def test_serves_a_hugging_face_gpt2_directory_with_its_chat_template(tmp_path):
+    """A local HF GPT-2 directory: weights imported, tokenizer.json used, the chat template rendered as
+    transformers renders it; the answer equals the offline engine on the same imported model."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    from mini_transformer import TransformerLM
+    from mini_transformer.tokenizer import BPETokenizer
+
+    tokenizer = BPETokenizer.train("the quick brown fox jumps over the lazy dog. " * 20, vocab_size=300)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=tokenizer.vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                        initializer_range=0.3)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    tokenizer.save(tmp_path)
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "eos_token": "<|endoftext|>"}))
+    messages = [{"role": "user", "content": "the quick fox"}]
+    rendered = PreTrainedTokenizerFast.from_pretrained(str(tmp_path)).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(rendered)
+    model = TransformerLM.from_pretrained(tmp_path)
+    engine_out = offline_greedy(model, [prompt_ids], 8)[0]
+    eos = tokenizer.eos_token_id
+    expected = engine_out[:engine_out.index(eos)] if eos in engine_out else engine_out
+    with running_server(tmp_path, model_name="gpt2-tiny", num_blocks=64, block_size=4) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        out = client.chat.completions.create(model="gpt2-tiny", messages=messages, max_tokens=8, temperature=0)
+    assert out.usage.prompt_tokens == len(prompt_ids)
+    assert out.choices[0].message.content == tokenizer.decode(expected)
