@@ -1,4 +1,4 @@
-"""`mini-transformer train | sample | bench | trace | info`: the command line."""
+"""`mini-transformer train | sample | serve | bench | trace | info`: the command line."""
 
 from __future__ import annotations
 
@@ -307,7 +307,7 @@ def _encodes(tokenizer, text: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------- bench
-BENCHMARKS = ("decode", "attention", "train", "serving", "moe")
+BENCHMARKS = ("decode", "attention", "train", "serving", "moe", "server")
 
 
 def _add_bench(sub) -> None:
@@ -328,6 +328,38 @@ def _run_bench(args) -> None:
     runpy.run_path(str(script), run_name="__main__")
 
 
+# ---------------------------------------------------------------------------------------- serve
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (and a live page at /) on the engine")
+    p.add_argument("--checkpoint", required=True, help="our checkpoint dir or a Hugging Face GPT-2/Llama dir")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--kv-cache-bytes", type=int, help="memory for the KV block pool (default: the engine's)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests queued beyond that before 429")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args) -> None:
+    from .server import build_context, serve
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} must be in [0, 65535]")
+    ctx = build_context(args.checkpoint, model_name=args.model_name, api_key=args.api_key,
+                        block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_waiting=args.max_waiting, device=args.device)
+    print(f"serving {ctx.model_name!r} on http://{args.host}:{args.port} (live page at /, API under /v1)",
+          flush=True)
+    serve(ctx, host=args.host, port=args.port, log_level=args.log_level)
+
+
 # ----------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -339,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace(sub)
     _add_sample(sub)
     _add_train(sub)
+    _add_serve(sub)
     _add_bench(sub)
     for command in sub.choices.values():  # `--debug` also works after the command's name
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
