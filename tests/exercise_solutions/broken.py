@@ -12,7 +12,6 @@ from mini_transformer.generate import decode_step
 from mini_transformer.kv_cache import KVCache
 
 from . import ex2_rope, ex6_modern_block, ex7_lr_schedule, ex9_moe_router
-from .broken_stages import BROKEN_STAGES
 
 
 def _gqa_modulo(q, k, v):
@@ -191,4 +190,3 @@ BROKEN = {
         "alpha rescale dropped": types.SimpleNamespace(online_softmax_attention=_online_softmax_without_alpha),
     },
 }
-BROKEN.update(BROKEN_STAGES)  # exercises 10-12 (docs/07, 08, 10)

@@ -1,6 +1,7 @@
-"""Wrong answers for the exercises of docs/07, 08 and 10 (merged into broken.BROKEN). Each is a whole
-answer with ONE mistake from its page's "break it" list, written out here rather than built from the
-project's code, so that these checks run even where a stage's code has not landed yet."""
+"""Wrong answers for the exercises of docs/07, 08 and 10 (tests/test_exercises.py adds them to
+broken.BROKEN). Each is a whole answer with ONE mistake from its page's "break it" list, written out
+here rather than built from the project's code, so that these checks run even where a stage's code has
+not landed yet."""
 
 from __future__ import annotations
 
@@ -11,75 +12,40 @@ import torch
 import torch.nn.functional as F
 
 
-# ------------------------------------------------------------------------------ exercise 10 (docs/07)
+# ------------------------------------------------------------------------------ exercise 11 (docs/07)
 def _sse_event(payload):
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def _sse_event_one_newline(payload):
-    return _sse_event(payload)[:-1]
+def _parse_sse(body, require_done=True):
+    chunks = []
+    for event in body.split("\n\n"):
+        data = [line[len("data: "):] for line in event.split("\n") if line.startswith("data: ")]
+        if data == ["[DONE]"]:
+            return chunks
+        chunks += [json.loads(d) for d in data]
+    if require_done:
+        raise ValueError("no [DONE]")
+    return chunks
 
 
-class _Text:
-    """A right IncrementalText, with switches for the mistakes."""
-
-    hold_back, decode_all, flush_at_final, per_token = True, True, True, True
-
-    def __init__(self, codec, stop):
-        self.codec, self.stop = codec, stop
-        self.ids, self.sent, self.out, self.stopped = [], 0, "", False
-
-    def add(self, new_ids, final):
-        if self.stopped:
-            return ""
-        for group in ([t] for t in new_ids) if self.per_token else [new_ids]:
-            self.ids.extend(group)
-            text = self._decoded(group)
-            hits = [text.find(s) for s in self.stop if s in text]
-            if hits:
-                self.stopped = True
-                return self._emit(text, min(hits))
-        text = self._decoded([])
-        if final and self.flush_at_final:
-            return self._emit(text, len(text))
-        hold = max((len(s) for s in self.stop), default=1) - 1 if self.hold_back else 0
-        end = len(text) - hold - (text.endswith("\ufffd") and self.decode_all)
-        return self._emit(text, end)
-
-    def _decoded(self, new_ids):
-        if self.decode_all:
-            return self.codec.decode(self.ids)
-        # each token decoded alone and glued on: a character split across tokens is lost
-        self.glued = getattr(self, "glued", "") + self.codec.decode(new_ids)
-        return self.glued
-
-    def _emit(self, text, end):
-        piece = text[self.sent:end] if end > self.sent else ""
-        self.sent, self.out = max(self.sent, end), self.out + piece
-        return piece
+def _latency_metrics(sent_at, times, tokens, tpot_per="token"):
+    if not times:
+        raise ValueError("no chunk with text")
+    itls = [b - a for a, b in zip(times, times[1:], strict=False)]
+    ttft, e2e = times[0] - sent_at, times[-1] - sent_at
+    if tpot_per == "chunk":  # the mean ITL: a chunk of several tokens counted as one
+        tpot = sum(itls) / len(itls) if itls else None
+    else:
+        tpot = (e2e - ttft) / (tokens - 1) if tokens > 1 else None
+    return {"ttft": ttft, "itls": itls, "e2e": e2e, "tpot": tpot}
 
 
-class _TextNoHoldBack(_Text):
-    hold_back = False
+def _ex11(sse=_sse_event, parse=_parse_sse, latency=_latency_metrics):
+    return types.SimpleNamespace(sse_event=sse, parse_sse=parse, latency_metrics=latency)
 
 
-class _TextDecodesOnlyTheNewIds(_Text):
-    decode_all = False
-
-
-class _TextLosesTheTail(_Text):
-    flush_at_final = False
-
-
-class _TextStopsLookedForOncePerAdd(_Text):
-    per_token = False
-
-
-def _ex10(sse_event=_sse_event, text=_Text):
-    return types.SimpleNamespace(sse_event=sse_event, IncrementalText=text)
-
-
-# ------------------------------------------------------------------------------ exercise 11 (docs/08)
+# ------------------------------------------------------------------------------ exercise 12 (docs/08)
 def _quantize_int8(w, per_tensor=False, rounding=torch.round):
     biggest = w.abs().amax() if per_tensor else w.abs().amax(dim=1)
     scales = (biggest.clamp(min=1e-12) / 127).expand(w.shape[0]).float()  # (N,)
@@ -99,11 +65,11 @@ def _accept_drafts(p, q, drafts, generator, accept_all=False, resample_from_p=Fa
     return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
 
 
-def _ex11(quantize=_quantize_int8, accept=_accept_drafts):
+def _ex12(quantize=_quantize_int8, accept=_accept_drafts):
     return types.SimpleNamespace(quantize_int8=quantize, dequantize_int8=_dequantize_int8, accept_drafts=accept)
 
 
-# ------------------------------------------------------------------------------ exercise 12 (docs/10)
+# ------------------------------------------------------------------------------ exercise 13 (docs/10)
 def _column_shard(w, b, rank, world):
     rows = slice(rank * w.shape[0] // world, (rank + 1) * w.shape[0] // world)
     return w[rows], None if b is None else b[rows]
@@ -135,29 +101,28 @@ def _qkv_rows_one_block(n_heads, n_kv_heads, d_head, rank, world):
     return torch.arange(rank * per_rank, (rank + 1) * per_rank)
 
 
-def _ex12(mlp=_tp_mlp, qkv=_qkv_rows):
+def _ex13(mlp=_tp_mlp, qkv=_qkv_rows):
     return types.SimpleNamespace(column_shard=_column_shard, row_shard=_row_shard, tp_mlp=mlp, qkv_shard_rows=qkv)
 
 
 BROKEN_STAGES = {
-    "ex10_sse_stream": {
-        "an event ends with one newline": _ex10(sse_event=_sse_event_one_newline),
-        "no hold-back: a stop string's start leaks": _ex10(text=_TextNoHoldBack),
-        "only the new ids decoded": _ex10(text=_TextDecodesOnlyTheNewIds),
-        "the held-back tail never sent": _ex10(text=_TextLosesTheTail),
-        "stop strings looked for once per add, not per token": _ex10(text=_TextStopsLookedForOncePerAdd),
+    "ex11_sse_client": {
+        "an event ends with one newline": _ex11(sse=lambda payload: _sse_event(payload)[:-1]),
+        "a stream cut off before [DONE] taken as complete": _ex11(parse=lambda body: _parse_sse(body, False)),
+        "TPOT per chunk (the mean ITL), not per token": _ex11(
+            latency=lambda s, t, n: _latency_metrics(s, t, n, tpot_per="chunk")),
     },
-    "ex11_int8_speculative": {
-        "one scale for the whole tensor": _ex11(quantize=lambda w: _quantize_int8(w, per_tensor=True)),
-        "truncate instead of round": _ex11(quantize=lambda w: _quantize_int8(w, rounding=torch.trunc)),
-        "every draft accepted": _ex11(accept=lambda p, q, d, g: _accept_drafts(p, q, d, g, accept_all=True)),
-        "resampled from p, not max(p - q, 0)": _ex11(
+    "ex12_int8_speculative": {
+        "one scale for the whole tensor": _ex12(quantize=lambda w: _quantize_int8(w, per_tensor=True)),
+        "truncate instead of round": _ex12(quantize=lambda w: _quantize_int8(w, rounding=torch.trunc)),
+        "every draft accepted": _ex12(accept=lambda p, q, d, g: _accept_drafts(p, q, d, g, accept_all=True)),
+        "resampled from p, not max(p - q, 0)": _ex12(
             accept=lambda p, q, d, g: _accept_drafts(p, q, d, g, resample_from_p=True)),
     },
-    "ex12_tensor_parallel": {
-        "no all_reduce: rank 0's partial taken as the output": _ex12(
+    "ex13_tensor_parallel": {
+        "no all_reduce: rank 0's partial taken as the output": _ex13(
             mlp=lambda *a: _tp_mlp(*a, reduce="none")),
-        "b2 added on every rank before the sum": _ex12(mlp=lambda *a: _tp_mlp(*a, bias_per_rank=True)),
-        "W_qkv cut as one contiguous block of rows": _ex12(qkv=_qkv_rows_one_block),
+        "b2 added on every rank before the sum": _ex13(mlp=lambda *a: _tp_mlp(*a, bias_per_rank=True)),
+        "W_qkv cut as one contiguous block of rows": _ex13(qkv=_qkv_rows_one_block),
     },
 }

@@ -1,8 +1,8 @@
-"""Exercise 11 (docs/08): int8 weight-only quantization, and the acceptance rule of speculative decoding.
+"""Exercise 12 (docs/08): int8 weight-only quantization, and the acceptance rule of speculative decoding.
 
 Fill in `quantize_int8`, `dequantize_int8` and `accept_drafts`, then grade them:
 
-    uv run pytest exercises/test_ex11_int8_speculative.py
+    uv run pytest exercises/test_ex12_int8_speculative.py
 
 int8, symmetric, per output channel: row n of a weight w (N, K) gets its own scale s[n] = max_k |w[n, k]| / 127
 and is stored as q[n, k] = round(w[n, k] / s[n]) in [-127, 127]; w_hat = s[n] * q[n, k]. Rounding moves a
@@ -25,13 +25,13 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     A row of zeros must not divide by zero (clamp the scale to a tiny positive number)."""
     # TODO 1: scales = the largest |w| of each row / 127 (clamped above 0)
     # TODO 2: q = round(w / scale of its row), clamped to [-127, 127], as int8
-    raise NotImplementedError("TODO: exercise 11, quantize_int8")
+    raise NotImplementedError("TODO: exercise 12, quantize_int8")
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """(q (N, K) int8, scales (N,)) -> w_hat (N, K) float32."""
     # TODO 3: each row of q times its scale
-    raise NotImplementedError("TODO: exercise 11, dequantize_int8")
+    raise NotImplementedError("TODO: exercise 12, dequantize_int8")
 
 
 def accept_drafts(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: torch.Generator
@@ -43,4 +43,4 @@ def accept_drafts(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator
     # TODO 4: for each draft in order: accept with probability min(1, p/q), else draw from the normalised
     #         max(p[i] - q[i], 0) and return (i, that token)
     # TODO 5: all accepted: return (k, a token drawn from p[k])
-    raise NotImplementedError("TODO: exercise 11, accept_drafts")
+    raise NotImplementedError("TODO: exercise 12, accept_drafts")

@@ -1,8 +1,8 @@
-"""Exercise 12 (docs/10): Megatron's tensor-parallel split, simulated with W shards in one process.
+"""Exercise 13 (docs/10): Megatron's tensor-parallel split, simulated with W shards in one process.
 
 Fill in `column_shard`, `row_shard`, `tp_mlp` and `qkv_shard_rows`, then grade them:
 
-    uv run pytest exercises/test_ex12_tensor_parallel.py
+    uv run pytest exercises/test_ex13_tensor_parallel.py
 
 An MLP y = gelu(x @ w1^T + b1) @ w2^T + b2, with w1 (F, C) and w2 (C, F), is split over W ranks so that
 only ONE collective is needed:
@@ -24,13 +24,13 @@ def column_shard(w: torch.Tensor, b: torch.Tensor | None, rank: int, world: int
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """w (out, in), b (out,) or None -> rank's (w (out/W, in), b (out/W,) or None): its output features."""
     # TODO 1: the rows [rank * out/W, (rank + 1) * out/W) of w, and the same entries of b
-    raise NotImplementedError("TODO: exercise 12, column_shard")
+    raise NotImplementedError("TODO: exercise 13, column_shard")
 
 
 def row_shard(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """w (out, in) -> rank's (out, in/W): its input features (columns)."""
     # TODO 2: the columns [rank * in/W, (rank + 1) * in/W)
-    raise NotImplementedError("TODO: exercise 12, row_shard")
+    raise NotImplementedError("TODO: exercise 13, row_shard")
 
 
 def tp_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
@@ -40,7 +40,7 @@ def tp_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor
     # TODO 3: for each rank: its column shard of (w1, b1) and row shard of w2; h = gelu(x @ w1_r^T + b1_r)
     #         (T, F/W); partial = h @ w2_r^T (T, C)
     # TODO 4: y = the sum of the partials (what all_reduce computes) + b2
-    raise NotImplementedError("TODO: exercise 12, tp_mlp")
+    raise NotImplementedError("TODO: exercise 13, tp_mlp")
 
 
 def qkv_shard_rows(n_heads: int, n_kv_heads: int, d_head: int, rank: int, world: int) -> torch.Tensor:
@@ -50,4 +50,4 @@ def qkv_shard_rows(n_heads: int, n_kv_heads: int, d_head: int, rank: int, world:
     Rank r keeps q heads [r H/W, (r+1) H/W) and kv heads [r Hkv/W, (r+1) Hkv/W): with GQA, q head h reads
     kv head h // (H / Hkv), so each rank's q heads find the kv heads they read on the same rank."""
     # TODO 5: q rows, k rows (offset H * d_head), v rows (offset (H + Hkv) * d_head), concatenated
-    raise NotImplementedError("TODO: exercise 12, qkv_shard_rows")
+    raise NotImplementedError("TODO: exercise 13, qkv_shard_rows")

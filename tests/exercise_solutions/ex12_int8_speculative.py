@@ -1,4 +1,4 @@
-"""Exercise 11 answered by the project's own code: quantize.Int8Linear and speculative.accept_drafts
+"""Exercise 12 answered by the project's own code: quantize.Int8Linear and speculative.accept_drafts
 (skipped until the decode-speed stage of docs/08 is on this branch)."""
 
 import pytest

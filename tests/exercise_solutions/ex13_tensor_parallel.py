@@ -1,4 +1,4 @@
-"""Exercise 12 answered by the project's own code: parallel/tp.py's column and row shards and its cut of
+"""Exercise 13 answered by the project's own code: parallel/tp.py's column and row shards and its cut of
 the fused W_qkv (skipped until the parallelism stage of docs/10 is on this branch). The sum over the
 shards stands in for dist.all_reduce, which RowParallelLinear calls across processes."""
 

@@ -1,4 +1,4 @@
-"""Grader for exercise 11: int8 against float64 row maxima and the half-step bound; the acceptance rule by
+"""Grader for exercise 12: int8 against float64 row maxima and the half-step bound; the acceptance rule by
 chi-square tests on its output (false-alarm rate 1e-6 each: a right answer fails one seed in a million)
 and by cases whose answer is certain."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-EXERCISE = "ex11_int8_speculative"
+EXERCISE = "ex12_int8_speculative"
 ALPHA = 1e-6
 
 

@@ -1,11 +1,11 @@
-"""Grader for exercise 12: the shards against slices written out element by element, the simulated MLP
+"""Grader for exercise 13: the shards against slices written out element by element, the simulated MLP
 against the unsplit float64 product, and W_qkv's rows against a loop over heads."""
 
 from __future__ import annotations
 
 import torch
 
-EXERCISE = "ex12_tensor_parallel"
+EXERCISE = "ex13_tensor_parallel"
 
 
 def test_column_and_row_shards(solution):
