@@ -10,6 +10,7 @@ import torch
 from mini_transformer.engine.block_manager import BlockManager as _ProjectBlockManager
 from mini_transformer.generate import decode_step
 from mini_transformer.kv_cache import KVCache
+from mini_transformer.server.text import IncrementalText as _ProjectIncrementalText
 
 from . import ex2_rope, ex6_modern_block, ex7_lr_schedule, ex9_moe_router
 
@@ -147,6 +148,30 @@ def _online_softmax_without_alpha(q, k, v, block_k):
     return acc / l, (m + torch.log(l)).squeeze(-1)
 
 
+class _StopCheckedPerChunk(_ProjectIncrementalText):
+    """Looks for stop strings once per call, after all its ids: the cut depends on how ids were grouped."""
+
+    def add(self, new_ids, final):
+        if self.stopped:
+            return ""
+        self.ids.extend(new_ids)
+        text = self.codec.decode(self.ids)
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            return self._emit(text, min(hits))
+        end = len(text) if final else len(text) - self.hold
+        return self._emit(text, end)
+
+
+class _NoHoldBack(_ProjectIncrementalText):
+    """Sends every character at once: the start of a stop string goes out before the stop is seen."""
+
+    def __init__(self, codec, stop):
+        super().__init__(codec, stop)
+        self.hold = 0
+
+
 BROKEN = {
     "ex1_attention": {
         "masked scores filled with 0": types.SimpleNamespace(attention=_attention_filling(0.0)),
@@ -188,5 +213,9 @@ BROKEN = {
     },
     "ex3_online_softmax": {
         "alpha rescale dropped": types.SimpleNamespace(online_softmax_attention=_online_softmax_without_alpha),
+    },
+    "ex10_stop_strings": {
+        "stop strings checked once per chunk": types.SimpleNamespace(IncrementalText=_StopCheckedPerChunk),
+        "no hold-back of a possible stop string": types.SimpleNamespace(IncrementalText=_NoHoldBack),
     },
 }
