@@ -6,6 +6,7 @@ import pytest
 pytest.importorskip("mini_transformer.speculative", reason="decode speed (docs/08) is not here yet")
 
 import torch  # noqa: E402
+
 from mini_transformer.quantize import Int8Linear  # noqa: E402
 from mini_transformer.speculative import accept_drafts  # noqa: E402
 
