@@ -309,3 +309,43 @@ def test_serves_a_hugging_face_gpt2_directory_with_its_chat_template(tmp_path):
         out = client.chat.completions.create(model="gpt2-tiny", messages=messages, max_tokens=8, temperature=0)
     assert out.usage.prompt_tokens == len(prompt_ids)
     assert out.choices[0].message.content == tokenizer.decode(expected)
+
+
+def failing_once(real):
+    """`real`, except that the first call raises RuntimeError("injected")."""
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("where", ["engine.add_request", "_publish_state"])
+def test_an_error_in_a_loop_turn_fails_the_request_with_500_and_the_loop_goes_on(served, monkeypatch, where):
+    loop = served.ctx.engine_loop
+    owner, name = (loop.engine, "add_request") if where.startswith("engine.") else (loop, where)
+    monkeypatch.setattr(owner, name, failing_once(getattr(owner, name)))
+    response = served.http.post("/v1/completions", json={"model": MODEL, "prompt": "boom", "max_tokens": 4})
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and "injected" in error["message"]
+    assert loop.alive and served.http.get("/health").status_code == 200
+    served.wait_idle()
+    good = served.client.completions.create(model=MODEL, prompt="ok", max_tokens=2, temperature=0)
+    assert good.choices[0].finish_reason == "length"
+
+
+def test_health_is_503_and_requests_are_refused_once_the_engine_thread_is_gone(tmp_path):
+    make_char_checkpoint(tmp_path, max_seq_len=64)
+    with running_server(tmp_path, model_name=MODEL, num_blocks=64, block_size=4) as server:
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        server.ctx.engine_loop.shutdown(timeout=10)  # the thread ends while the HTTP side still serves
+        assert not server.ctx.engine_loop.alive
+        health = httpx.get(server.url + "/health", timeout=30)
+        assert health.status_code == 503 and health.json() == {"status": "engine thread not running"}
+        refused = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=30)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"

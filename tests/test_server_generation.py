@@ -2,10 +2,15 @@
 hand (a recording stand-in for the engine loop), so the order of outputs is exactly the one under test."""
 
 import asyncio
+import contextlib
+
+import pytest
 
 from mini_transformer import SamplingParams
+from mini_transformer.server.app import ClosingStreamingResponse
 from mini_transformer.server.engine_loop import Accepted, StepOutput
 from mini_transformer.server.generation import Generation
+from mini_transformer.server.protocol import ErrorResponse
 
 
 class Codec:
@@ -18,6 +23,7 @@ class RecordingLoop:
 
     def __init__(self):
         self.handles, self.aborted, self.reserved = [], [], 0
+        self.alive = True
 
     def reserve(self, n):
         self.reserved += n
@@ -66,3 +72,50 @@ def test_outputs_queued_together_are_merged_and_a_stopped_choice_ignores_late_ou
     assert events == [(0, "ab", "stop"), (1, "c", None), (1, "fg", "length")]
     assert loop.aborted == [0] and gen.finish_reasons == ["stop", "length"]
     assert [t.out for t in gen.texts] == ["ab", "cfg"] and loop.reserved == 0
+
+
+def test_start_gives_up_with_503_when_the_engine_thread_is_gone():
+    """Submitted, never accepted, and the engine thread has died: start() must end, not wait forever."""
+    loop = RecordingLoop()
+
+    def submit_into_the_void(prompt, params, outbox, index):
+        class Handle:
+            done = False
+
+        handle = Handle()
+        handle.index = index
+        loop.handles.append(handle)
+        return handle
+
+    loop.submit, loop.alive = submit_into_the_void, False
+    gen = Generation(loop, Codec(), [[1]], [[SamplingParams(max_tokens=3)]], [])
+
+    async def run():
+        try:
+            await asyncio.wait_for(gen.start(), timeout=10)
+        finally:
+            gen.close()
+
+    with pytest.raises(ErrorResponse) as err:
+        asyncio.run(run())
+    assert err.value.status == 503 and loop.reserved == 0 and loop.aborted == [0]
+
+
+def test_a_stream_that_never_starts_still_closes_its_generation():
+    """The client is gone before the first chunk: the body generator never runs, on_close still must."""
+    closed = []
+
+    async def body():
+        yield "never sent"
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        raise OSError("the client has gone")
+
+    response = ClosingStreamingResponse(body(), on_close=lambda: closed.append(True), media_type="text/event-stream")
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "method": "POST", "path": "/"}
+    with contextlib.suppress(Exception):  # starlette turns the OSError into ClientDisconnect
+        asyncio.run(response(scope, receive, send))
+    assert closed == [True]

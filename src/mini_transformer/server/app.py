@@ -1,7 +1,7 @@
 """The HTTP face: FastAPI routes in OpenAI's format, errors as OpenAI error objects, the live page.
 
     GET  /                     the live page (static/index.html)
-    GET  /health               200 while serving, 503 while shutting down
+    GET  /health               200 while serving, 503 while shutting down or once the engine thread is gone
     GET  /metrics              Prometheus text format
     GET  /v1/models            the one model served
     POST /v1/completions       text, texts or token ids; streamed (SSE) or not
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
     async def health():
         if ctx.engine_loop.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        if not ctx.engine_loop.alive:
+            return JSONResponse({"status": "engine thread not running"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -202,7 +205,10 @@ def _completion_prompts(ctx: ServerContext, prompt) -> list[list[int]]:
 
 async def _respond(gen: Generation, body, request: Request, ctx: ServerContext, chat: bool):
     try:
-        await gen.start()
+        await gen.start(request.is_disconnected)
+    except ClientGone:
+        gen.close()
+        return Response(status_code=499)
     except BaseException:
         gen.close()
         raise
@@ -216,8 +222,25 @@ async def _respond(gen: Generation, body, request: Request, ctx: ServerContext, 
             gen.close()
         build = P.chat_response if chat else P.completion_response
         return build(rid, ctx.model_name, choices, P.usage(gen.prompt_tokens, gen.completion_tokens))
-    return StreamingResponse(_stream(gen, body, rid, ctx.model_name, chat), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return ClosingStreamingResponse(_stream(gen, body, rid, ctx.model_name, chat), on_close=gen.close,
+                                    media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A stream that calls `on_close` however it ends: the body generator's own `finally` never runs when
+    the client is gone before the first chunk (the generator was never started), and the request's
+    choices would run on in the engine and hold their capacity."""
+
+    def __init__(self, content, *, on_close: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 async def _stream(gen: Generation, body, rid: str, model: str, chat: bool):

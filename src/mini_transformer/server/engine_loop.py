@@ -9,8 +9,9 @@ all clients meet in the same engine steps: that is continuous batching seen from
     HTTP handler <--asyncio.Queue-- Accepted | StepOutput | Failed <--thread--
 
 Door checks happen in the HTTP layer before `submit`; what is left to fail here is what only the engine
-knows (it raises on add_request: the handler answers 400) or an engine crash (every request in flight
-fails with 500 and the loop goes on).
+knows (it raises on add_request: the handler answers 400) or an engine crash, or any other error in a
+loop turn (every request in flight and in the inbox fails with 500 and the loop goes on). Should the
+thread end anyway, `alive` turns False: /health answers 503 and waiting requests notice it.
 """
 
 from __future__ import annotations
@@ -77,6 +78,14 @@ def _put_all(batch: list[tuple[RequestHandle, object]]) -> None:
         handle.queue.put_nowait((handle.index, item))
 
 
+def _push_quietly(handle: RequestHandle, item) -> None:
+    """Push even while things break: a closed event loop means nobody is waiting any more."""
+    try:
+        handle.push(item)
+    except RuntimeError:
+        pass
+
+
 class EngineLoop:
     def __init__(self, engine, metrics: ServerMetrics, *, max_num_seqs: int, max_waiting: int):
         self.engine, self.metrics = engine, metrics
@@ -85,6 +94,7 @@ class EngineLoop:
         self.draining = False  # shutting down: no new requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[object, RequestHandle] = {}  # engine request id -> handle (engine thread only)
+        self._handling: RequestHandle | None = None  # the inbox item _handle is working on (engine thread)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._state_lock = threading.Lock()
@@ -98,6 +108,11 @@ class EngineLoop:
         self._publish_state(force=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """False once the engine thread has ended (or before it started): nothing would answer a request."""
+        return self._thread.is_alive()
+
     def submit(self, prompt_ids: list[int], params: SamplingParams, outbox: asyncio.Queue, index: int
                ) -> RequestHandle:
         """Queue one choice for the engine; its news go to `outbox` tagged with `index`.
@@ -110,6 +125,8 @@ class EngineLoop:
         """Count n new choices in flight, or refuse them all (429) when that would pass the capacity."""
         if self.draining:
             raise ErrorResponse(503, "the server is shutting down", code="server_shutting_down")
+        if not self.alive:
+            raise ErrorResponse(503, "the engine thread is not running", code="engine_dead")
         if self.in_flight + n > self.capacity:
             raise ErrorResponse(
                 429, f"too many requests waiting: {self.in_flight} in flight, room for {self.capacity} "
@@ -135,19 +152,28 @@ class EngineLoop:
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
         torch.set_grad_enabled(False)
-        while not self._stop.is_set():
-            self._drain_inbox(block=not self._active)
-            if not self._active:
-                self._publish_state(force=True)
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as err:  # an engine bug must not kill the server: fail what is in flight
-                self._fail_all(ErrorResponse(500, f"engine step failed: {type(err).__name__}: {err}"))
-                continue
-            self._deliver(outputs, time.monotonic())
-            self._publish_state(force=not self._active)
-        self._fail_all(ErrorResponse(503, "the server is shutting down", code="server_shutting_down"))
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._turn()
+                except Exception as err:  # a bug anywhere in a turn must not leave a request waiting forever
+                    self._fail_everything(ErrorResponse(500, f"engine loop failed: {type(err).__name__}: {err}"))
+        finally:  # stopping, or the error handling itself broke: nobody may wait on a dead thread
+            self._fail_everything(ErrorResponse(503, "the server is shutting down", code="server_shutting_down"))
+
+    def _turn(self) -> None:
+        """One loop turn: take the inbox, run one engine step, hand out its outputs."""
+        self._drain_inbox(block=not self._active)
+        if not self._active:
+            self._publish_state(force=True)
+            return
+        try:
+            outputs = self.engine.step()
+        except Exception as err:  # an engine bug must not kill the server: fail what is in flight
+            self._fail_all(ErrorResponse(500, f"engine step failed: {type(err).__name__}: {err}"))
+            return
+        self._deliver(outputs, time.monotonic())
+        self._publish_state(force=not self._active)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -155,7 +181,9 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
+            self._handling = item[1]  # taken from the inbox, not yet active: failed too if _handle raises
             self._handle(*item)
+            self._handling = None
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -221,8 +249,24 @@ class EngineLoop:
                 self.engine.abort(engine_id)
             except Exception:  # the engine is already broken; the request fails either way
                 pass
-            handle.push(Failed(error))
+            _push_quietly(handle, Failed(error))
         self._active.clear()
+
+    def _fail_everything(self, error: ErrorResponse) -> None:
+        """Fail every request the thread knows of: the active ones, the one being handled, the inbox's."""
+        waiting = [] if self._handling is None else [self._handling]
+        self._handling = None
+        while True:
+            try:
+                kind, handle = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                waiting.append(handle)
+        self._fail_all(error)
+        for handle in waiting:
+            if not handle.cancelled:
+                _push_quietly(handle, Failed(error))
 
     def _tokens_per_s(self, now: float) -> float:
         while self._recent_tokens and self._recent_tokens[0][0] < now - RATE_WINDOW_S:

@@ -18,7 +18,7 @@ from .engine_loop import Accepted, EngineLoop, Failed, RequestHandle, StepOutput
 from .protocol import ErrorResponse
 from .text import IncrementalText, TextCodec
 
-DISCONNECT_POLL_S = 0.5  # a non-streamed request checks this often whether its client has gone
+DISCONNECT_POLL_S = 0.5  # a waiting request checks this often whether its client or the engine thread has gone
 
 
 class Generation:
@@ -43,15 +43,16 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(self.n_tokens)
 
-    async def start(self) -> None:
-        """Submit every choice and wait until the engine has taken them all (or refused one: raise)."""
+    async def start(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
+        """Submit every choice and wait until the engine has taken them all (or refused one: raise).
+        The wait polls like `events`: a client gone raises ClientGone, a dead engine thread a 503."""
         self.engine_loop.reserve(len(self.choices))
         self._reserved = len(self.choices)
         for index, (prompt, params) in enumerate(self.choices):
             self.handles.append(self.engine_loop.submit(prompt, params, self.queue, index))
         accepted = 0
         while accepted < len(self.choices):
-            index, item = await self.queue.get()
+            index, item = await self._next(is_disconnected)
             if isinstance(item, Failed):
                 raise item.error
             if isinstance(item, Accepted):
@@ -111,18 +112,21 @@ class Generation:
         return piece, finish
 
     async def _next(self, is_disconnected):
-        if is_disconnected is None:
-            return await self.queue.get()
+        """The next queued item; every DISCONNECT_POLL_S without one, check the client and the engine thread."""
         while True:
             try:
                 return await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
             except TimeoutError:
-                if await is_disconnected():
+                if is_disconnected is not None and await is_disconnected():
                     raise ClientGone() from None
+                if not self.engine_loop.alive and self.queue.empty():
+                    raise ErrorResponse(503, "the engine thread is not running", code="engine_dead") from None
 
     def close(self) -> None:
+        """Abort what still runs and give the capacity back; safe to call more than once."""
         for handle in self.handles:
             if not handle.done:
+                handle.done = True
                 self.engine_loop.abort(handle)
         self.engine_loop.release(self._reserved)
         self._reserved = 0
