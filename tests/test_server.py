@@ -349,3 +349,37 @@ def test_health_is_503_and_requests_are_refused_once_the_engine_thread_is_gone(t
         assert health.status_code == 503 and health.json() == {"status": "engine thread not running"}
         refused = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=30)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
+
+
+def test_an_eos_token_with_id_0_ends_the_choice(tmp_path):
+    """tokenizer_config.json names "\\n" (id 0 of the char vocabulary) as EOS. The model is relabelled
+    (token ids 0 and t swapped, t a token it greedily emits) so that it emits id 0; the server must stop
+    there, exactly where the offline engine given eos_token_id=0 stops."""
+    import torch
+
+    from mini_transformer import SamplingParams, TransformerLM
+    from mini_transformer.engine import LLMEngine
+
+    model, tokenizer = make_char_checkpoint(tmp_path, max_seq_len=64)
+    assert tokenizer.encode("\n") == [0]
+    prompt = tokenizer.encode("Hello there")
+    t = next(x for x in offline_greedy(model, [prompt], 12)[0][1:] if x != 0)
+    swap = {0: t, t: 0}
+    with torch.no_grad():
+        for weight in {id(w): w for w in (model.tok_emb.weight, model.lm_head.weight)}.values():
+            weight[[0, t]] = weight[[t, 0]]
+    model.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "\n"}))
+    prompt = [swap.get(x, x) for x in prompt]
+    model = TransformerLM.from_pretrained(tmp_path)
+    full = offline_greedy(model, [prompt], 12)[0]
+    k = full.index(0)
+    expected = LLMEngine(model, block_size=4, num_blocks=64, eos_token_id=0).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
+    assert k < 11 and expected == full[:k + 1]
+    with running_server(tmp_path, model_name=MODEL, num_blocks=64, block_size=4) as server:
+        assert server.ctx.engine_loop.engine.eos_token_id == 0
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == k + 1
+    assert out.choices[0].text == tokenizer.decode(full[:k])

@@ -14,6 +14,8 @@ from mini_transformer.server.protocol import ErrorResponse
 
 
 class Codec:
+    eos_token_id = None
+
     def decode(self, ids):
         return "".join(chr(i) for i in ids)
 

@@ -89,3 +89,24 @@ def test_a_damaged_tokenizer_json_is_named(tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": ')
     with pytest.raises(ValueError, match="tokenizer.json cannot be read"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("eos", ["\n", {"content": "\n"}])
+def test_load_tokenizer_takes_the_eos_of_tokenizer_config_even_when_its_id_is_0(tmp_path, eos):
+    CharTokenizer.train(TEXT).save(tmp_path)
+    assert load_tokenizer(tmp_path).eos_token_id is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    assert load_tokenizer(tmp_path).eos_token_id == 0  # "\n" sorts first
+
+
+def test_load_tokenizer_eos_from_config_for_bpe_and_unknown_names(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    # a word-level vocabulary whose EOS sits at id 0, as in many Hugging Face directories
+    vocab = {"</s>": 0, "a": 1, "[UNK]": 2}
+    Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    assert load_tokenizer(tmp_path).eos_token_id == 0
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<nope>"}))
+    with pytest.raises(ValueError, match="eos_token='<nope>'"):
+        load_tokenizer(tmp_path)

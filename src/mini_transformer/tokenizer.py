@@ -9,6 +9,7 @@ from pathlib import Path
 
 CHAR_VOCAB_FILE = "vocab.json"
 BPE_FILE = "tokenizer.json"
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"  # a Hugging Face directory names its EOS token here
 
 
 class CharTokenizer:
@@ -28,6 +29,9 @@ class CharTokenizer:
         self.chars = list(chars)
         self.stoi = {c: i for i, c in enumerate(self.chars)}
         self.eos_token_id = None
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.stoi.get(token)
 
     @classmethod
     def train(cls, text: str) -> CharTokenizer:
@@ -94,6 +98,9 @@ class BPETokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
+    def token_to_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
@@ -111,8 +118,36 @@ class BPETokenizer:
 
 def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:
     """Read the tokenizer saved in a checkpoint directory (ours, or a Hugging Face tokenizer.json).
-    A damaged file is a ValueError naming it."""
+    Its `eos_token_id` is the token tokenizer_config.json names as `eos_token` when the directory has
+    one (the one place where every caller — CLI, server — learns the EOS id). A damaged file is a
+    ValueError naming it."""
     path = Path(path)
+    tokenizer = _read_tokenizer(path)
+    eos = _configured_eos_token(path)
+    if eos is not None:
+        eos_id = tokenizer.token_to_id(eos)
+        if eos_id is None:
+            raise ValueError(f"{path / HF_TOKENIZER_CONFIG} names eos_token={eos!r}, which the tokenizer does not know")
+        tokenizer.eos_token_id = eos_id  # may be 0: compare with None, never with truthiness
+    return tokenizer
+
+
+def _configured_eos_token(path: Path) -> str | None:
+    """tokenizer_config.json's eos_token (written as a string or as {"content": ...}), or None."""
+    file = path / HF_TOKENIZER_CONFIG
+    if not file.is_file():
+        return None
+    try:
+        config = json.loads(file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{file} is not valid JSON ({err})") from None
+    value = config.get("eos_token") if isinstance(config, dict) else None
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _read_tokenizer(path: Path) -> CharTokenizer | BPETokenizer:
     if (path / CHAR_VOCAB_FILE).is_file():
         file = path / CHAR_VOCAB_FILE
         try:

@@ -112,7 +112,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
         for i, prompt in enumerate(prompts):
             check_fits(prompt, max_tokens, ctx.max_model_len, ctx.pool_tokens, "prompt" if i == 0 else f"prompt[{i}]")
-        params = [[body.sampling_params(max_tokens, j, ctx.codec.eos_token_id) for j in range(body.n)] for _ in prompts]
+        params = [[body.sampling_params(max_tokens, j) for j in range(body.n)] for _ in prompts]
         gen = Generation(ctx.engine_loop, ctx.codec, prompts, params, body.stop_strings())
         return await _respond(gen, body, request, ctx, chat=False)
 
@@ -127,7 +127,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
         if max_tokens is None:  # OpenAI's default: as much as the context leaves
             max_tokens = max(1, min(ctx.max_model_len, ctx.pool_tokens) - len(prompt))
         check_fits(prompt, max_tokens, ctx.max_model_len, ctx.pool_tokens, "messages")
-        params = [[body.sampling_params(max_tokens, j, ctx.codec.eos_token_id) for j in range(body.n)]]
+        params = [[body.sampling_params(max_tokens, j) for j in range(body.n)]]
         gen = Generation(ctx.engine_loop, ctx.codec, [prompt], params, body.stop_strings())
         return await _respond(gen, body, request, ctx, chat=True)
 

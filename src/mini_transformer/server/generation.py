@@ -25,6 +25,7 @@ class Generation:
     def __init__(self, engine_loop: EngineLoop, codec: TextCodec, prompts: list[list[int]],
                  params: list[list[SamplingParams]], stop: list[str]):
         self.engine_loop = engine_loop
+        self.eos_token_id = codec.eos_token_id  # the engine's EOS (build_context gives it)
         self.prompts = prompts
         self.queue: asyncio.Queue = asyncio.Queue()
         self.choices = [(prompt, p) for prompt, ps in zip(prompts, params, strict=True) for p in ps]
@@ -101,7 +102,7 @@ class Generation:
         text = self.texts[index]
         self.n_tokens[index] += len(item.new_token_ids)
         ids = item.new_token_ids
-        if item.finish_reason == "stop" and ids and ids[-1] in self.choices[index][1].stop_token_ids:
+        if item.finish_reason == "stop" and ids and ids[-1] in self.choices[index][1].stops(self.eos_token_id):
             ids = ids[:-1]  # the stop token ends the text but is not part of it (OpenAI's rule)
         piece = text.add(ids, final=item.finished)
         finish = item.finish_reason if item.finished else None

@@ -61,13 +61,11 @@ class _SamplingFields(BaseModel):
             raise ErrorResponse(400, f"stop has {len(stops)} strings; at most 4 are allowed", param="stop")
         return stops
 
-    def sampling_params(self, max_tokens: int, choice: int, eos_token_id: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         """One choice's SamplingParams: choice j of a seeded request draws with seed + j, so the n
-        choices differ from each other and each is reproducible. The model's EOS joins the stop ids
-        (unless ignore_eos), so the engine needs to know nothing about tokenizers."""
+        choices differ from each other and each is reproducible. EOS is not among the stop ids here:
+        the engine was given the tokenizer's EOS and adds it (unless ignore_eos)."""
         stops = tuple(self.stop_token_ids or ())
-        if eos_token_id is not None and not self.ignore_eos and eos_token_id not in stops:
-            stops += (eos_token_id,)
         top_k = self.top_k if self.top_k not in (None, -1, 0) else None
         try:
             return SamplingParams(

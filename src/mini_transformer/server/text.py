@@ -48,9 +48,7 @@ class TextCodec:
         self.chat_template_source = template or DEFAULT_CHAT_TEMPLATE
         self.bos_token = _token_text(config.get("bos_token")) or ""
         self.eos_token = _token_text(config.get("eos_token")) or ""
-        self.eos_token_id = self.tokenizer.eos_token_id
-        if self.eos_token and hasattr(self.tokenizer, "tokenizer"):
-            self.eos_token_id = self.tokenizer.tokenizer.token_to_id(self.eos_token) or self.eos_token_id
+        self.eos_token_id = self.tokenizer.eos_token_id  # found by load_tokenizer, as the CLI finds it
         self._template = None
 
     def encode(self, text: str, param: str = "prompt") -> list[int]:
