@@ -383,3 +383,25 @@ def test_an_eos_token_with_id_0_ends_the_choice(tmp_path):
         out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == k + 1
     assert out.choices[0].text == tokenizer.decode(full[:k])
+
+
+def test_the_server_admits_exactly_what_the_engine_admits(tmp_path):
+    """One door rule, the engine's: a pool of 8 blocks of 4 holds 32 tokens, and a request of 33 fits
+    (its last token is sampled, never cached); 34 does not, and the 400 carries the engine's message."""
+    from mini_transformer import SamplingParams
+
+    make_char_checkpoint(tmp_path, max_seq_len=64)
+    prompt = "ten chars!"
+    with running_server(tmp_path, model_name=MODEL, num_blocks=8, block_size=4) as server:
+        engine = server.ctx.engine_loop.engine
+        ids = server.ctx.codec.encode(prompt)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=33 - len(ids), temperature=0)
+        assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 33 - len(ids)
+        with pytest.raises(ValueError) as engine_error:
+            engine.check_request(ids, SamplingParams(max_tokens=34 - len(ids)))
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=34 - len(ids), temperature=0)
+        assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "prompt"
+        assert str(engine_error.value) in err.value.body["message"]
+        server.wait_idle()

@@ -10,10 +10,10 @@ vLLM's names, one small file each:
 
 from ..sampling import SamplingParams
 from .block_manager import BlockManager
-from .llm_engine import LLMEngine
+from .llm_engine import InvalidRequest, LLMEngine
 from .model_runner import ModelRunner, PagedBatch
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestOutput, Sequence, SequenceStatus
 
-__all__ = ["BlockManager", "LLMEngine", "ModelRunner", "PagedBatch", "RequestOutput", "SamplingParams",
-           "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus"]
+__all__ = ["BlockManager", "InvalidRequest", "LLMEngine", "ModelRunner", "PagedBatch", "RequestOutput",
+           "SamplingParams", "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus"]

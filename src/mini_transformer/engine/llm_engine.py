@@ -43,6 +43,15 @@ def default_kv_cache_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
 
 
+class InvalidRequest(ValueError):
+    """A request the engine refuses at add_request; `argument` names the one at fault ("prompt_token_ids",
+    "max_tokens" when it cannot fit the context or the pool, "stop_token_ids")."""
+
+    def __init__(self, argument: str, message: str):
+        super().__init__(message)
+        self.argument = argument
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -107,23 +116,10 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a prompt (a list of token ids, or a 1-D integer tensor). Returns its request id.
-        A request that could never run raises ValueError here, and nothing else is disturbed."""
-        cfg = self.config
+        A request that could never run raises ValueError (an InvalidRequest) here, and nothing else is
+        disturbed."""
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        prompt = self._prompt_list(prompt_token_ids)
-        total = len(prompt) + params.max_tokens
-        if total > cfg.max_seq_len:
-            raise ValueError(f"prompt length {len(prompt)} + max_tokens {params.max_tokens} = {total} exceeds "
-                             f"the model's max_seq_len={cfg.max_seq_len}")
-        needed = blocks_for(total - 1, self.block_size)
-        if needed > self.num_blocks:
-            raise ValueError(f"this request needs up to {needed} KV blocks of {self.block_size} tokens but the pool "
-                             f"has only num_blocks={self.num_blocks}; shorten it or give the engine more blocks")
-        stops = params.stops(self.eos_token_id)
-        if any(t >= cfg.vocab_size for t in stops):
-            raise ValueError(f"stop_token_ids={params.stop_token_ids} must be token ids in [0, {cfg.vocab_size})")
+        prompt, stops = self.check_request(prompt_token_ids, params)
         with self._lock:
             if request_id is None:
                 request_id = str(next(self._ids))
@@ -136,20 +132,46 @@ class LLMEngine:
             self.scheduler.add(seq)
         return request_id
 
+    def check_request(self, prompt_token_ids, params: SamplingParams) -> tuple[list[int], tuple[int, ...]]:
+        """add_request's door checks, on their own: the prompt as a list and the ids that stop it, or
+        InvalidRequest naming the argument at fault. It reads only what __init__ fixed, so a server's
+        HTTP thread may call it to refuse a request before it reaches the engine thread."""
+        cfg = self.config
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompt = self._prompt_list(prompt_token_ids)
+        total = len(prompt) + params.max_tokens
+        if total > cfg.max_seq_len:
+            raise InvalidRequest("max_tokens", f"prompt length {len(prompt)} + max_tokens {params.max_tokens} = "
+                                               f"{total} exceeds the model's max_seq_len={cfg.max_seq_len}")
+        needed = blocks_for(total - 1, self.block_size)  # the last token is sampled, never written to the cache
+        if needed > self.num_blocks:
+            raise InvalidRequest("max_tokens", f"this request needs up to {needed} KV blocks of {self.block_size} "
+                                               f"tokens but the pool has only num_blocks={self.num_blocks}; "
+                                               "shorten it or give the engine more blocks")
+        stops = params.stops(self.eos_token_id)
+        if any(t >= cfg.vocab_size for t in stops):
+            raise InvalidRequest("stop_token_ids", f"stop_token_ids={params.stop_token_ids} must be token ids in "
+                                                   f"[0, {cfg.vocab_size})")
+        return prompt, stops
+
     def _prompt_list(self, prompt_token_ids) -> list[int]:
         if isinstance(prompt_token_ids, torch.Tensor):
             if prompt_token_ids.dim() != 1 or prompt_token_ids.is_floating_point():
-                raise ValueError(f"prompt_token_ids must be a 1-D integer tensor, got shape "
-                                 f"{tuple(prompt_token_ids.shape)} of dtype {prompt_token_ids.dtype}")
+                shape, dtype = tuple(prompt_token_ids.shape), prompt_token_ids.dtype
+                raise InvalidRequest("prompt_token_ids", f"prompt_token_ids must be a 1-D integer tensor, got "
+                                                         f"shape {shape} of dtype {dtype}")
             prompt_token_ids = prompt_token_ids.tolist()
         if not isinstance(prompt_token_ids, list | tuple):
             raise TypeError(f"prompt_token_ids must be a list of token ids, got {type(prompt_token_ids).__name__}")
         if not prompt_token_ids:
-            raise ValueError("prompt_token_ids is empty; a request needs at least one prompt token")
+            raise InvalidRequest("prompt_token_ids",
+                                 "prompt_token_ids is empty; a request needs at least one prompt token")
         vocab = self.config.vocab_size
         for token in prompt_token_ids:
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                raise ValueError(f"prompt_token_ids contains {token!r}, expected token ids in [0, vocab_size={vocab})")
+                raise InvalidRequest("prompt_token_ids", f"prompt_token_ids contains {token!r}, expected token ids "
+                                                         f"in [0, vocab_size={vocab})")
         return list(prompt_token_ids)
 
     def abort(self, request_id: str) -> bool:

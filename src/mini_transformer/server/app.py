@@ -27,9 +27,10 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..engine import InvalidRequest
 from . import protocol as P
 from .engine_loop import EngineLoop
-from .generation import ClientGone, Generation, check_fits
+from .generation import ClientGone, Generation
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from .text import TextCodec
@@ -110,9 +111,9 @@ def create_app(ctx: ServerContext) -> FastAPI:
                 raise ErrorResponse(400, f"{name} is not supported by this server", param=name)
         prompts = _completion_prompts(ctx, body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
-        for i, prompt in enumerate(prompts):
-            check_fits(prompt, max_tokens, ctx.max_model_len, ctx.pool_tokens, "prompt" if i == 0 else f"prompt[{i}]")
         params = [[body.sampling_params(max_tokens, j) for j in range(body.n)] for _ in prompts]
+        for i, prompt in enumerate(prompts):
+            _check_with_engine(ctx, prompt, params[i][0], "prompt" if i == 0 else f"prompt[{i}]")
         gen = Generation(ctx.engine_loop, ctx.codec, prompts, params, body.stop_strings())
         return await _respond(gen, body, request, ctx, chat=False)
 
@@ -126,8 +127,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # OpenAI's default: as much as the context leaves
             max_tokens = max(1, min(ctx.max_model_len, ctx.pool_tokens) - len(prompt))
-        check_fits(prompt, max_tokens, ctx.max_model_len, ctx.pool_tokens, "messages")
         params = [[body.sampling_params(max_tokens, j) for j in range(body.n)]]
+        _check_with_engine(ctx, prompt, params[0][0], "messages")
         gen = Generation(ctx.engine_loop, ctx.codec, [prompt], params, body.stop_strings())
         return await _respond(gen, body, request, ctx, chat=True)
 
@@ -178,10 +179,18 @@ def _check_common(ctx: ServerContext, body) -> None:
     if body.model != ctx.model_name:
         raise ErrorResponse(400, f"model {body.model!r} does not exist; this server serves {ctx.model_name!r}",
                             param="model", code="model_not_found")
-    bad = [t for t in body.stop_token_ids or () if t >= ctx.vocab_size]
-    if bad:
-        raise ErrorResponse(400, f"stop_token_ids has {bad[0]}, outside [0, vocab_size={ctx.vocab_size})",
-                            param="stop_token_ids")
+
+
+def _check_with_engine(ctx: ServerContext, prompt: list[int], params, param: str) -> None:
+    """The engine's own add_request checks (token range, fits the context and the pool, stop ids), run
+    here so a refusal is a 400 naming the request's parameter before anything is queued."""
+    try:
+        ctx.engine_loop.engine.check_request(prompt, params)
+    except InvalidRequest as err:
+        if err.argument == "stop_token_ids":
+            raise ErrorResponse(400, str(err), param="stop_token_ids") from None
+        code = "context_length_exceeded" if err.argument == "max_tokens" else None
+        raise ErrorResponse(400, f"{param}: {err}", param=param, code=code) from None
 
 
 def _completion_prompts(ctx: ServerContext, prompt) -> list[list[int]]:
@@ -193,14 +202,7 @@ def _completion_prompts(ctx: ServerContext, prompt) -> list[list[int]]:
     if all(isinstance(p, str) for p in prompt):
         return [ctx.codec.encode(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     prompts = [prompt] if all(isinstance(t, int) for t in prompt) else prompt
-    for i, ids in enumerate(prompts):
-        if not ids:
-            raise ErrorResponse(400, f"prompt[{i}] has no token ids", param="prompt")
-        bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
-        if bad:
-            raise ErrorResponse(400, f"prompt token id {bad[0]} is outside [0, vocab_size={ctx.vocab_size})",
-                                param="prompt")
-    return [list(p) for p in prompts]
+    return [list(p) for p in prompts]  # token ranges: the engine's check_request
 
 
 async def _respond(gen: Generation, body, request: Request, ctx: ServerContext, chat: bool):

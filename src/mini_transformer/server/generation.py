@@ -142,15 +142,3 @@ class Generation:
 class ClientGone(Exception):
     """The client of a non-streamed request disconnected; its choices were aborted."""
 
-
-def check_fits(prompt_ids: list[int], max_tokens: int, max_model_len: int, pool_tokens: int, param: str) -> None:
-    """400 for a prompt that can never run: longer than the context with its max_tokens, or than the pool."""
-    need = len(prompt_ids) + max_tokens
-    if need > max_model_len:
-        raise ErrorResponse(400, f"{param} has {len(prompt_ids)} tokens and max_tokens={max_tokens}: "
-                                 f"{need} tokens exceed the model's context of {max_model_len}; shorten the "
-                                 "prompt or ask for fewer tokens", param=param, code="context_length_exceeded")
-    if need > pool_tokens:
-        raise ErrorResponse(400, f"{param} needs {need} tokens of KV cache but the whole pool holds "
-                                 f"{pool_tokens}; start the server with a larger --kv-cache-bytes",
-                            param=param, code="context_length_exceeded")
