@@ -4,7 +4,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mini_transformer.tokenizer import BPETokenizer, CharTokenizer, build_tokenizer, load_tokenizer
+from mini_transformer.tokenizer import (
+    BPETokenizer,
+    CharTokenizer,
+    IncrementalDecoder,
+    build_tokenizer,
+    load_tokenizer,
+)
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 20
 
@@ -110,3 +116,57 @@ def test_load_tokenizer_eos_from_config_for_bpe_and_unknown_names(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<nope>"}))
     with pytest.raises(ValueError, match="eos_token='<nope>'"):
         load_tokenizer(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def bpe_multibyte():
+    """A byte-level BPE that has seen little non-ASCII text, so é, 雪 and 🙂 split into several byte tokens."""
+    return BPETokenizer.train(TEXT, vocab_size=300)
+
+
+class WindowSpy:
+    """Decodes with `tokenizer` and remembers how many ids each call was given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.sizes = tokenizer, []
+
+    def decode(self, ids):
+        self.sizes.append(len(ids))
+        return self.tokenizer.decode(ids)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.text(alphabet="ab :\né雪🙂", min_size=1, max_size=40))
+def test_incremental_decoder_pieces_join_to_the_whole_decode(bpe_multibyte, text):
+    """Reference: decoding all ids at once. Each step's text so far is a prefix of that, and never ends
+    in a character still missing bytes."""
+    ids = bpe_multibyte.encode(text)
+    decoder = IncrementalDecoder(bpe_multibyte)
+    pieces = []
+    for n, token in enumerate(ids, 1):
+        pieces.append(decoder.add([token]))
+        assert "".join(pieces) == decoder.text and bpe_multibyte.decode(ids[:n]).startswith(decoder.text)
+        assert not decoder.text.endswith("\ufffd")
+    pieces.append(decoder.add([], final=True))
+    assert "".join(pieces) == bpe_multibyte.decode(ids) == text
+
+
+def test_incremental_decoder_decodes_a_short_window_not_the_whole_output(bpe_multibyte):
+    spy = WindowSpy(bpe_multibyte)
+    ids = bpe_multibyte.encode(TEXT[:400] + "é雪🙂" * 5)
+    decoder = IncrementalDecoder(spy)
+    for token in ids:
+        decoder.add([token])
+    decoder.add([], final=True)
+    assert decoder.text == bpe_multibyte.decode(ids) and len(ids) > 100
+    assert max(spy.sizes) <= 8  # a 4-byte character's tokens plus one piece of context, not O(L)
+
+
+def test_incremental_decoder_flushes_an_unfinished_character_only_at_the_end():
+    class Bytes:
+        def decode(self, ids):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    decoder = IncrementalDecoder(Bytes())
+    snowman = list("☃".encode())
+    assert decoder.add(snowman[:2]) == "" and decoder.add([], final=True) == "\ufffd"

@@ -99,28 +99,24 @@ def _add_sample(sub) -> None:
 
 
 class _TextStream:
-    """Print each step's new text as soon as it is known. The whole continuation is decoded again every
-    step (BPE pieces merge, one character may span several byte tokens); only the new suffix is printed,
-    and text ending in an unfinished character (U+FFFD) waits for the next token."""
+    """Print each step's new text as soon as it is known (the tokenizer's IncrementalDecoder: a trailing
+    window decoded per step, an unfinished character waits for the next token)."""
 
     def __init__(self, tokenizer, out, prompt: str):
-        self.tokenizer, self.out, self.prompt = tokenizer, out, prompt
-        self.ids: list[int] = []
-        self.printed = ""
+        from .tokenizer import IncrementalDecoder
+
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.out, self.prompt = out, prompt
 
     def __call__(self, step_ids) -> None:
-        if not self.ids:  # the prompt is echoed once generation has really started (no error came first)
+        if not self.decoder.ids:  # the prompt is echoed once generation has really started (no error came first)
             self.out.write(self.prompt)
-        self.ids.append(int(step_ids[0]))
-        self.flush(final=False)
+        self.out.write(self.decoder.add([int(step_ids[0])]))
+        self.out.flush()
 
     def flush(self, final: bool = True) -> None:
-        text = self.tokenizer.decode(self.ids)
-        if not final and text.endswith("\ufffd"):
-            return
-        self.out.write(text[len(self.printed):] if text.startswith(self.printed) else text)
+        self.out.write(self.decoder.add([], final=final))
         self.out.flush()
-        self.printed = text
 
 
 def _run_sample(args) -> None:

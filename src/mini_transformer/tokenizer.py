@@ -178,3 +178,38 @@ def build_tokenizer(kind: str, text: str, vocab_size: int | None = None) -> Char
             raise ValueError("tokenizer='bpe' needs vocab_size")
         return BPETokenizer.train(text, vocab_size)
     raise ValueError(f"tokenizer={kind!r} is not known; expected 'char' or 'bpe'")
+
+
+class IncrementalDecoder:
+    """Token ids in, new text out, for streaming: the CLI's printed continuation and the server's pieces.
+
+    Decoding each token alone is wrong (BPE pieces merge across tokens, one character may span several
+    byte tokens) and decoding the whole output every step costs O(L) per token, O(L^2) in all. So only a
+    trailing window is decoded, as vLLM does: `prefix` marks where the text of the tokens before the
+    last emitted piece starts, `read` where the ids not yet turned into text start. The text of
+    ids[prefix:read] is decoded beside that of ids[prefix:] so the same context shapes both (a decoder
+    that drops a leading space, for one), and the difference is the new text. Text ending in an
+    unfinished character (U+FFFD) waits for the next token, unless `final`.
+
+    `tokenizer` is anything with decode(ids) -> str: a CharTokenizer, a BPETokenizer, a stand-in."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""  # everything handed out so far
+        self.prefix = 0  # the window starts here: one emitted piece of context before `read`
+        self.read = 0  # ids[:read] are in `text`
+
+    def add(self, new_ids, final: bool = False) -> str:
+        """Take the new ids; return the text they complete ('' while a character is unfinished)."""
+        self.ids.extend(int(i) for i in new_ids)
+        if self.read == len(self.ids):
+            return ""
+        known = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        window = self.tokenizer.decode(self.ids[self.prefix:])
+        if not final and (len(window) <= len(known) or window.endswith("\ufffd")):
+            return ""  # nothing new yet, or a character still missing bytes
+        piece = window[len(known):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += piece
+        return piece

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..tokenizer import load_tokenizer
+from ..tokenizer import IncrementalDecoder, load_tokenizer
 from .protocol import ErrorResponse
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -86,17 +86,18 @@ def _raise_template_error(message: str):
 class IncrementalText:
     """The text of one choice, handed out piece by piece as its token ids grow.
 
-    The whole output is decoded again at each step (BPE pieces merge, one character may span several
-    byte tokens); text ending in an unfinished character (U+FFFD) waits for the next token. With stop
-    strings, the tail that could still become a stop string is held back; after the first token with
-    which the text contains a stop string, the text is cut just before the earliest one (the stop string
-    itself is not returned, as in OpenAI's API).
+    The tokenizer's IncrementalDecoder turns ids into text (it decodes only a trailing window, and text
+    ending in an unfinished character waits for the next token). With stop strings, the tail that could
+    still become a stop string is held back; after the first token with which the text contains a stop
+    string, the text is cut just before the earliest one (the stop string itself is not returned, as in
+    OpenAI's API).
     """
 
     def __init__(self, codec: TextCodec, stop: list[str]):
         self.codec, self.stop = codec, stop
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.ids: list[int] = []
+        self.decoder = IncrementalDecoder(codec)
+        self.ids = self.decoder.ids  # the choice's token ids so far
         self.sent = 0  # characters of the text already handed out
         self.out = ""  # the text handed out so far (the choice's text when it ends)
         self.stopped = False  # a stop string was found: nothing more to send
@@ -110,21 +111,24 @@ class IncrementalText:
             return ""
         if self.stop:
             for token in new_ids:
-                self.ids.append(token)
-                text = self.codec.decode(self.ids)
-                hits = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]
-                if hits:
-                    self.stopped = True
-                    return self._emit(text, min(hits))
+                if self.decoder.add([token]) and self._stop_hit() is not None:
+                    return self._cut()
+            if final and self.decoder.add([], final=True) and self._stop_hit() is not None:
+                return self._cut()  # the last, unfinished character flushed at the end
         else:
-            self.ids.extend(new_ids)
-        text = self.codec.decode(self.ids)
-        if final:
-            return self._emit(text, len(text))
-        end = len(text) - self.hold
-        if text.endswith("\ufffd"):
-            end = min(end, len(text) - 1)
-        return self._emit(text, end)
+            self.decoder.add(new_ids, final=final)
+        text = self.decoder.text
+        return self._emit(text, len(text) if final else len(text) - self.hold)
+
+    def _stop_hit(self) -> int | None:
+        """Where the earliest stop string starts in the text, looking only where a new one can be."""
+        text = self.decoder.text
+        hits = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _cut(self) -> str:
+        self.stopped = True
+        return self._emit(self.decoder.text, self._stop_hit())
 
     def _emit(self, text: str, end: int) -> str:
         piece = text[self.sent:end] if end > self.sent else ""
