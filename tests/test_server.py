@@ -311,13 +311,13 @@ def test_serves_a_hugging_face_gpt2_directory_with_its_chat_template(tmp_path):
     assert out.choices[0].message.content == tokenizer.decode(expected)
 
 
-def failing_once(real):
-    """`real`, except that the first call raises RuntimeError("injected")."""
-    calls = []
+def failing_once(real, when=lambda: True):
+    """`real`, except that the first call made while `when()` holds raises RuntimeError("injected")."""
+    failed = []
 
     def wrapper(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
+        if not failed and when():
+            failed.append(1)
             raise RuntimeError("injected")
         return real(*args, **kwargs)
 
@@ -328,7 +328,9 @@ def failing_once(real):
 def test_an_error_in_a_loop_turn_fails_the_request_with_500_and_the_loop_goes_on(served, monkeypatch, where):
     loop = served.ctx.engine_loop
     owner, name = (loop.engine, "add_request") if where.startswith("engine.") else (loop, where)
-    monkeypatch.setattr(owner, name, failing_once(getattr(owner, name)))
+    # _publish_state also runs while idle: fail it only once a request is in flight
+    monkeypatch.setattr(owner, name, failing_once(getattr(owner, name), when=lambda: bool(loop._active)
+                                                  or owner is loop.engine))
     response = served.http.post("/v1/completions", json={"model": MODEL, "prompt": "boom", "max_tokens": 4})
     assert response.status_code == 500, response.text
     error = response.json()["error"]
