@@ -69,11 +69,17 @@ class ServerThread:
         assert not self.thread.is_alive(), "the test server did not stop"
 
     def wait_idle(self, timeout: float = 10.0) -> dict:
-        """Wait (bounded) until the engine holds no request and no block; return its stats."""
+        """Wait (bounded) until no request is in flight on the HTTP side and the engine holds no request
+        and no block; return its stats. The engine's snapshot is rebuilt at most every 0.1 s while busy,
+        so an idle one counts only if it was taken after the HTTP side let go of its last request."""
         deadline = time.monotonic() + timeout
+        let_go_at = None
         while True:
+            if let_go_at is None and self.ctx.engine_loop.in_flight == 0:
+                let_go_at = time.time()
             state = self.ctx.engine_loop.state()
-            if not state["running"] and not state["waiting"] and state["blocks_in_use"] == 0:
+            if (let_go_at is not None and state["time"] >= let_go_at and not state["running"]
+                    and not state["waiting"] and state["blocks_in_use"] == 0):
                 return state
             if time.monotonic() > deadline:
                 raise AssertionError(f"the engine did not drain: {state['running']} {state['waiting']}")
