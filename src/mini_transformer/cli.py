@@ -85,6 +85,8 @@ def _add_sample(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cache", action="store_true", help="re-run the whole sequence every step (slow; to compare)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--tensor-parallel", action="store_true",
+                   help="under torchrun: split heads, FFN and vocabulary over the ranks (rank 0 prints)")
     p.set_defaults(func=_run_sample)
 
 
@@ -122,11 +124,16 @@ def _run_sample(args) -> None:
 
     tokenizer = load_tokenizer(args.checkpoint)
     model = TransformerLM.from_pretrained(args.checkpoint, device=args.device)
+    out = sys.stdout
+    if args.tensor_parallel:  # every rank runs the same loop on its shard; only rank 0 prints
+        from .parallel.tp import shard_for_command_line
+
+        out = shard_for_command_line(model, args.device)
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
         raise ValueError("--prompt is empty; give at least one character of text to continue")
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=args.device)  # (1, T)
-    stream = _TextStream(tokenizer, sys.stdout, args.prompt)
+    stream = _TextStream(tokenizer, out, args.prompt)
     generate_long(  # past max_seq_len it slides the context window (re-prefilling its second half)
         model, idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, eos_token_id=tokenizer.eos_token_id,
@@ -134,7 +141,7 @@ def _run_sample(args) -> None:
         stream=stream,
     )
     stream.flush()
-    sys.stdout.write("\n")
+    out.write("\n")
 
 
 # ---------------------------------------------------------------------------------------- train

@@ -97,6 +97,7 @@ class TransformerConfig(DictIO):
     tie_weights: bool = True
     attn_backend: str = "naive"  # naive | sdpa | tiled | triton
     init_std: float | None = None  # None = sqrt(2 / (5 * d_model)), see small_init_std
+    activation_checkpointing: bool = False  # training: keep block inputs only, recompute the rest in backward
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layer", "max_seq_len", "ffn_multiple_of"):
@@ -108,7 +109,7 @@ class TransformerConfig(DictIO):
         _check_choice("attn_backend", self.attn_backend, ATTN_BACKENDS)
         for name in ("attn_pdrop", "resid_pdrop", "embd_pdrop"):
             _check_probability(name, getattr(self, name))
-        for name in ("bias", "tie_weights"):
+        for name in ("bias", "tie_weights", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.d_model % self.n_heads != 0:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .attention import attention
 from .config import TransformerConfig
@@ -76,7 +78,7 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, Tk, D) with the past prepended
         out = self.attend(q, k, v, key_padding_mask)  # (B, H, T, D)
-        out = out.transpose(1, 2).reshape(B, T, C)  # (B, T, C): heads concatenated again
+        out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D): heads concatenated (C, or a TP shard)
         return self.W_o(out)
 
 
@@ -162,8 +164,10 @@ class TransformerLM(nn.Module):
         if self.rope is not None:
             cos, sin = self.rope.cos_sin(positions, x.dtype)  # (B, 1, T, D), shared by all layers
             rope = (cos, sin)
+        recompute = self.config.activation_checkpointing and torch.is_grad_enabled()  # keep block inputs only
         for block in self.blocks:
-            x = block(x, rope=rope, key_padding_mask=key_padding_mask, cache=cache)
+            run = partial(checkpoint, block, use_reentrant=False) if recompute else block
+            x = run(x, rope=rope, key_padding_mask=key_padding_mask, cache=cache)
         if cache is not None:
             cache.advance(keep)
         logits = self.lm_head(self.norm_f(x))  # (B, T, V)

@@ -1,0 +1,7 @@
+"""Parallelism on torch.distributed: tensor-parallel inference (tp.py), FSDP2 training helpers (fsdp.py),
+and a launcher that runs a function on N local ranks for tests and benchmarks (launch.py)."""
+
+from .launch import RankFailed, run_processes
+from .tp import check_divisible, shard_tensor_parallel
+
+__all__ = ["RankFailed", "check_divisible", "run_processes", "shard_tensor_parallel"]
