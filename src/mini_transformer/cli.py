@@ -174,6 +174,8 @@ def _add_train(sub) -> None:
     p.add_argument("--out", help="run directory (default out/<preset>); checkpoints go to OUT/best and OUT/last")
     p.add_argument("--resume", metavar="DIR", help="continue a run from its directory or a checkpoint directory")
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
+    p.add_argument("--fsdp", action="store_true", default=None,
+                   help="under torchrun: shard weights, gradients and optimizer state (FSDP2) instead of DDP")
     for flag, (_, kind, help_text) in _TRAIN_FLAGS.items():
         p.add_argument(flag, type=kind, help=help_text)
     p.set_defaults(func=_run_train)
@@ -195,7 +197,7 @@ def train_configs_from_args(args):
             raise ValueError(f"--set {key}=... is not a model or training field; expected one of "
                              f"{sorted(model_fields | train_fields)}")
     given = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in _TRAIN_FLAGS.items()}
-    given.update(data=args.data, max_steps=args.max_steps, compile=args.compile, out_dir=args.out)
+    given.update(data=args.data, max_steps=args.max_steps, compile=args.compile, out_dir=args.out, fsdp=args.fsdp)
     given = {**{k: v for k, v in given.items() if v is not None}, **train_set}
     if args.resume:  # the run continues with its saved settings; what is given here overrides them
         from .train_io import find_checkpoint, load_train_state

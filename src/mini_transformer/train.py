@@ -66,6 +66,7 @@ class TrainConfig(DictIO):
     num_samples: int = 2  # texts sampled at the end
     sample_tokens: int = 300
     progress: bool = True
+    fsdp: bool = False  # under torchrun: FSDP2 shards weights, grads and AdamW state (parallel/fsdp.py), not DDP
 
     def __post_init__(self) -> None:
         _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
@@ -97,7 +98,7 @@ class TrainConfig(DictIO):
                 f"warmup_steps={self.warmup_steps} must be smaller than lr_decay_steps (or max_steps)="
                 f"{self.decay_steps}"
             )
-        for name in ("compile", "fused_optimizer", "progress"):
+        for name in ("compile", "fused_optimizer", "progress", "fsdp"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
         for name in ("device", "out_dir"):
@@ -229,6 +230,8 @@ def train(cfg: TrainConfig, model_cfg: TransformerConfig | dict | None = None, *
     run (vocab_size is taken from the tokenizer) or, with `resume`, a dict of config overrides."""
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
+    if cfg.fsdp and (int(os.environ.get("WORLD_SIZE", "1")) < 2 or cfg.compile):
+        raise ValueError("fsdp=True needs torchrun with at least 2 processes (WORLD_SIZE >= 2) and no compile")
     rank, world_size, device = _setup_distributed(cfg)
     try:
         return _train(cfg, model_cfg, resume, rank, world_size, device)
@@ -246,13 +249,20 @@ def _train(cfg, model_cfg, resume, rank, world_size, device) -> TrainResult:
     ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
     train_data, val_data = split_tokens(ids, block_size)
     model.to(device)
+    if cfg.fsdp:  # before the optimizer, which must see (and keep state for) the shards only
+        from .parallel import fsdp
+
+        fsdp.shard_for_training(model)
     optimizer = make_optimizer(model, cfg)
     amp_dtype = autocast_dtype(cfg.precision, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     generator = torch.Generator().manual_seed(cfg.seed)  # draws every training batch
     step, best_val, losses, evals = 0, math.inf, [], []
     if resume is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        if cfg.fsdp:
+            fsdp.load_optimizer_state(model, optimizer, state["optimizer"])
+        else:
+            optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
         generator.set_state(state["batch_rng"])
         torch.set_rng_state(state["torch_rng"])
@@ -267,7 +277,7 @@ def _train(cfg, model_cfg, resume, rank, world_size, device) -> TrainResult:
     raw_model = model
     if cfg.compile:
         model = torch.compile(model)
-    if world_size > 1:
+    if world_size > 1 and not cfg.fsdp:
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -275,10 +285,11 @@ def _train(cfg, model_cfg, resume, rank, world_size, device) -> TrainResult:
     master = rank == 0
     tokens_per_step = cfg.batch_size * block_size * cfg.grad_accum_steps * world_size
 
-    def checkpoint_state() -> dict:
+    def checkpoint_state(optimizer_state: dict | None = None) -> dict:
         return {
             "step": step, "best_val_loss": best_val, "losses": losses, "evals": evals,
-            "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+            "optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state,
+            "scaler": scaler.state_dict(),
             "batch_rng": generator.get_state(), "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
             "train_config": cfg.to_dict(), "data_name": state["data_name"], "world_size": world_size,
@@ -286,14 +297,19 @@ def _train(cfg, model_cfg, resume, rank, world_size, device) -> TrainResult:
 
     def evaluate_and_save() -> None:
         nonlocal best_val
-        result = estimate_loss(raw_model, {"train": train_data, "val": val_data}, cfg, block_size, device, amp)
+        eval_model, optimizer_state = raw_model, None
+        if cfg.fsdp:  # every rank sends its shards; rank 0 evaluates and saves a plain model
+            eval_model, optimizer_state = fsdp.gather_full_state(raw_model, optimizer)
+            if not master:
+                return
+        result = estimate_loss(eval_model, {"train": train_data, "val": val_data}, cfg, block_size, device, amp)
         evals.append([step, result["train"], result["val"]])
         if cfg.progress:
             bar.write(f"step {step}: train loss {result['train']:.4f}, val loss {result['val']:.4f}")
         if result["val"] < best_val:
             best_val = result["val"]
-            save_checkpoint(out_dir / "best", raw_model, tokenizer, checkpoint_state())
-        save_checkpoint(out_dir / "last", raw_model, tokenizer, checkpoint_state())
+            save_checkpoint(out_dir / "best", eval_model, tokenizer, checkpoint_state(optimizer_state))
+        save_checkpoint(out_dir / "last", eval_model, tokenizer, checkpoint_state(optimizer_state))
 
     def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
         x, y = get_batch(train_data, cfg.batch_size, block_size, generator, rank=rank, world_size=world_size)
@@ -323,9 +339,11 @@ def _train(cfg, model_cfg, resume, rank, world_size, device) -> TrainResult:
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_step / step_times[-1]:.0f}",
                         refresh=False)
-        if master and (step % cfg.eval_interval == 0 or step == cfg.max_steps):
+        if (master or cfg.fsdp) and (step % cfg.eval_interval == 0 or step == cfg.max_steps):
             evaluate_and_save()
     bar.close()
+    if cfg.fsdp:  # a plain model for the samples and the result (rank 0); the others keep their shards
+        raw_model = fsdp.gather_full_model(raw_model) or raw_model
     if master:
         finish_run(cfg, raw_model, tokenizer, text, losses, evals, out_dir, device)
     return TrainResult(raw_model, tokenizer, step, best_val, losses, evals, step_times, tokens_per_step, str(out_dir))
@@ -337,8 +355,8 @@ def _forward_backward(model, next_batch, cfg: TrainConfig, amp, scaler, world_si
     for micro in range(cfg.grad_accum_steps):
         x, y = next_batch()
         last_micro = micro == cfg.grad_accum_steps - 1
-        sync = model.no_sync() if world_size > 1 and not last_micro else contextlib.nullcontext()
-        with sync:  # DDP averages gradients across ranks only on the last micro-batch
+        sync = model.no_sync() if world_size > 1 and not last_micro and hasattr(model, "no_sync") else None
+        with sync or contextlib.nullcontext():  # DDP averages gradients only on the last micro-batch (FSDP: each)
             with amp():
                 _, loss = model(x, y)
             loss = loss / cfg.grad_accum_steps  # the update uses the MEAN over all micro-batches
