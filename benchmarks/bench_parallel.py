@@ -1,0 +1,237 @@
+"""What do tensor parallelism, FSDP and activation checkpointing buy, and what do they cost?
+
+    python benchmarks/bench_parallel.py                  # GPT-2 small: TP=2 vs 1, FSDP vs DDP, checkpointing
+    python benchmarks/bench_parallel.py --quick --plot   # a small model, PNG in out/
+
+Three tables, each with its reference measured in the same run:
+  1. Tensor parallel inference, 2 gloo ranks vs one process: per-rank weight bytes (counted from the
+     tensors each rank holds), the bytes handed to collectives per token (counted by the model's
+     CollectiveCounter) against the formula ((2L + 1) C + ceil(V / W)) * bytes, and decode speed.
+  2. Training memory per rank, FSDP2 vs DDP on 2 ranks (and one process): parameters, gradients and
+     AdamW state counted from the tensors after one step (a DTensor counts its local shard), plus the
+     process's peak resident memory (which also holds activations, DDP's buckets, the allocator's slack).
+  3. Activation checkpointing on vs off, one process: extra peak memory of a training step with the
+     gradients already allocated (so the peak is activations and temporaries), and the step time.
+     Each mode runs in a fresh subprocess (peak RSS via /proc/self/clear_refs, as bench_attention.py;
+     torch.cuda.max_memory_allocated on CUDA).
+Expert parallelism is not measured: the MoE layer is not in the model yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import _peak_rss_bytes, _reset_peak_rss, _rss_bytes  # noqa: E402
+
+from mini_transformer import TransformerConfig, TransformerLM, generate  # noqa: E402
+from mini_transformer.parallel import run_processes, shard_tensor_parallel  # noqa: E402
+from mini_transformer.parallel.fsdp import local_bytes, shard_for_training, training_memory  # noqa: E402
+from mini_transformer.train import TrainConfig, make_optimizer  # noqa: E402
+
+MB = 2**20
+
+
+def model_config(args) -> TransformerConfig:
+    return TransformerConfig.from_preset(args.preset, attn_backend="sdpa")
+
+
+# ------------------------------------------------------------------------------ 1. tensor parallel
+def tp_worker(rank: int, world_size: int, args, shard: bool) -> dict:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = TransformerLM(model_config(args)).eval()
+    if shard:
+        shard_tensor_parallel(model)
+    weights = local_bytes(model.parameters())  # a tied matrix counts once
+    idx = torch.randint(model.config.vocab_size, (1, args.prompt))
+    start = time.perf_counter()
+    new = generate(model, idx, args.new_tokens)  # 1 prefill of `prompt` tokens + new_tokens - 1 decode steps
+    seconds = time.perf_counter() - start
+    tokens = args.prompt + args.new_tokens - 1  # tokens that went through the model
+    per_token = model.collectives.nbytes / tokens if shard else 0.0
+    return dict(weights=weights, bytes_per_token=per_token, tok_s=args.new_tokens / seconds, ids=new)
+
+
+def bench_tp(args) -> list[dict]:
+    cfg = model_config(args)
+    one = run_processes(tp_worker, 1, args=(args, False), timeout=args.timeout)[0]
+    two = run_processes(tp_worker, 2, args=(args, True), timeout=args.timeout)
+    assert all(torch.equal(r["ids"], one["ids"]) for r in two), "TP=2 greedy tokens differ from one process"
+    formula = ((2 * cfg.n_layer + 1) * cfg.d_model + -(-cfg.vocab_size // 2)) * 4  # fp32 bytes per token
+    rows = [dict(setup="1 process", weights_mb=one["weights"] / MB, ratio=1.0, kb_token="-", formula_kb="-",
+                 tok_s=one["tok_s"])]
+    for rank, r in enumerate(two):
+        rows.append(dict(setup=f"TP=2 rank {rank}", weights_mb=r["weights"] / MB, ratio=r["weights"] / one["weights"],
+                         kb_token=f"{r['bytes_per_token'] / 1e3:.1f}", formula_kb=f"{formula / 1e3:.1f}",
+                         tok_s=r["tok_s"]))
+    return rows
+
+
+# --------------------------------------------------------------------------------- 2. FSDP vs DDP
+def train_worker(rank: int, world_size: int, args, mode: str) -> dict:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = TransformerLM(model_config(args))
+    if mode == "fsdp":
+        shard_for_training(model)
+    optimizer = make_optimizer(model, TrainConfig())
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    x = torch.randint(model_config(args).vocab_size, (args.batch, args.seq))
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        model(x, x)[1].backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    memory = training_memory(model, optimizer)  # gradients kept (not zeroed) so they are counted
+    return {**memory, "peak_rss": _peak_rss_bytes(False), "step_s": times[-1]}
+
+
+def bench_train_memory(args) -> list[dict]:
+    one = run_processes(train_worker, 1, args=(args, "single"), timeout=args.timeout)[0]
+    rows = []
+    for label, mode, world in (("1 process", "single", 1), ("DDP, 2 ranks", "ddp", 2), ("FSDP2, 2 ranks", "fsdp", 2)):
+        r = one if mode == "single" else run_processes(train_worker, world, args=(args, mode), timeout=args.timeout)[0]
+        total = r["params"] + r["grads"] + r["optimizer"]
+        ref = one["params"] + one["grads"] + one["optimizer"]
+        rows.append(dict(setup=label, params_mb=r["params"] / MB, grads_mb=r["grads"] / MB,
+                         optim_mb=r["optimizer"] / MB, total_mb=total / MB, params_ratio=r["params"] / one["params"],
+                         total_ratio=total / ref, rss_mb=r["peak_rss"] / MB, step_s=r["step_s"]))
+    return rows
+
+
+# -------------------------------------------------------------------- 3. activation checkpointing
+def ac_case(args, checkpointing: bool) -> dict:
+    """One mode in this (fresh) process: extra peak memory of a step with gradients allocated, and its time."""
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    cfg = model_config(args).replace(activation_checkpointing=checkpointing)
+    model = TransformerLM(cfg).to(device).train()
+    x = torch.randint(cfg.vocab_size, (args.batch, args.seq), device=device)
+
+    def step():
+        model(x, x)[1].backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    step()  # allocates the gradients (kept: zero_ does not free them) and loads the kernels
+    model.zero_grad(set_to_none=False)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        before, reset = _rss_bytes(), _reset_peak_rss()
+        step()
+        peak = _peak_rss_bytes(reset) - before
+    times = []
+    for _ in range(args.repeats):
+        model.zero_grad(set_to_none=False)
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return dict(peak_mb=peak / MB, step_s=statistics.median(times))
+
+
+def bench_checkpointing(args) -> list[dict]:
+    results = {}
+    for on in (False, True):
+        cmd = [sys.executable, __file__, "--ac-worker", str(int(on)), *sys.argv[1:]]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"activation checkpointing case {on} failed:\n{done.stderr[-2000:]}")
+        results[on] = json.loads(done.stdout.strip().splitlines()[-1])
+    off = results[False]
+    return [dict(setup="off" if not on else "on", peak_mb=r["peak_mb"], mem_ratio=r["peak_mb"] / off["peak_mb"],
+                 step_s=r["step_s"], time_ratio=r["step_s"] / off["step_s"]) for on, r in results.items()]
+
+
+# ------------------------------------------------------------------------------------------ output
+def table(rows: list[dict], headers: dict[str, str]) -> str:
+    def cell(v):
+        return f"{v:.3g}" if isinstance(v, float) and abs(v) < 10 else (f"{v:.1f}" if isinstance(v, float) else str(v))
+
+    lines = ["| " + " | ".join(headers.values()) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(r[k]) for k in headers) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(tp_rows, train_rows, ac_rows, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(13, 4))
+    axes = fig.subplots(1, 3)
+    axes[0].bar([r["setup"] for r in tp_rows], [r["weights_mb"] for r in tp_rows], color="tab:blue")
+    axes[0].set_title("inference weights per rank (MB)")
+    bottom = [0.0] * len(train_rows)
+    for key, colour in (("params_mb", "tab:blue"), ("grads_mb", "tab:orange"), ("optim_mb", "tab:green")):
+        values = [r[key] for r in train_rows]
+        axes[1].bar([r["setup"] for r in train_rows], values, bottom=bottom, color=colour, label=key[:-3])
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    axes[1].set_title("training state per rank (MB)")
+    axes[1].legend()
+    axes[2].bar([f"checkpointing {r['setup']}" for r in ac_rows], [r["peak_mb"] for r in ac_rows], color="tab:purple")
+    axes[2].set_title("extra peak memory of a step (MB)")
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=8, rotation=15)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="gpt2-small")
+    p.add_argument("--quick", action="store_true", help="the shakespeare-char model: seconds, not minutes")
+    p.add_argument("--prompt", type=int, default=32, help="TP: prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=16, help="TP: generated tokens")
+    p.add_argument("--batch", type=int, default=2, help="training: sequences per rank")
+    p.add_argument("--seq", type=int, default=128, help="training: tokens per sequence")
+    p.add_argument("--repeats", type=int, default=3, help="checkpointing: timed steps (median)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--device", default="cpu", help="checkpointing only (cpu or cuda)")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--plot", action="store_true", help="write out/parallel.png")
+    p.add_argument("--ac-worker", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.quick:
+        args.preset = "shakespeare-char"
+        args.seq = min(args.seq, 64)
+    if args.ac_worker is not None:
+        print(json.dumps(ac_case(args, bool(args.ac_worker))))
+        return
+    print(f"load before: {os.getloadavg()}; preset {args.preset}, {args.threads} thread(s) per process")
+    tp_rows = bench_tp(args)
+    print("\n" + table(tp_rows, dict(setup="setup", weights_mb="weights MB", ratio="x one process",
+                                       kb_token="collective KB/token", formula_kb="formula KB/token",
+                                       tok_s="decode tok/s")))
+    train_rows = bench_train_memory(args)
+    print("\n" + table(train_rows, dict(setup="setup", params_mb="params MB", grads_mb="grads MB",
+                                          optim_mb="AdamW MB", total_mb="total MB", params_ratio="params x one",
+                                          total_ratio="total x one", rss_mb="peak RSS MB", step_s="step s")))
+    ac_rows = bench_checkpointing(args)
+    print("\n" + table(ac_rows, dict(setup="checkpointing", peak_mb="extra peak MB", mem_ratio="x off",
+                                       step_s="step s", time_ratio="time x off")))
+    print(f"\nload after: {os.getloadavg()}")
+    if args.plot:
+        plot(tp_rows, train_rows, ac_rows, Path("out") / "parallel.png")
+
+
+if __name__ == "__main__":
+    main()
