@@ -53,7 +53,8 @@ def gather_full_model(model: TransformerLM) -> TransformerLM | None:
     if dist.get_rank() != 0:
         return None
     device = next(iter(model.parameters())).device
-    plain = TransformerLM(model.config)
+    with torch.random.fork_rng(devices=[]):  # the throw-away init must not move rank 0's random stream
+        plain = TransformerLM(model.config)
     load_state_into(plain, state)
     return plain.to(device)
 

@@ -227,7 +227,13 @@ def shard_for_command_line(model: TransformerLM, device: str):
         backend = "nccl"
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         model.to("cuda")
-    dist.init_process_group(backend)
-    atexit.register(dist.destroy_process_group)
+    if not dist.is_initialized():  # (a test's launcher may have joined the group already)
+        dist.init_process_group(backend)
+        atexit.register(_leave_group)
     shard_tensor_parallel(model)
     return sys.stdout if dist.get_rank() == 0 else io.StringIO()
+
+
+def _leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
