@@ -4,7 +4,7 @@ same imported weights, EOS per row, streaming, seeds, and errors raised before a
 import pytest
 import torch
 
-from mini_transformer import TransformerConfig, TransformerLM, generate
+from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
 
 VOCAB = 60
 
@@ -136,8 +136,13 @@ def test_prompt_plus_new_tokens_beyond_max_seq_len_raises_before_any_work():
     "kwargs, error, message",
     [
         (dict(max_new_tokens=0), ValueError, "max_new_tokens=0 must be a positive integer"),
-        (dict(idx=torch.zeros(3, dtype=torch.long)), ValueError, r"idx must be a 2-D integer tensor"),
-        (dict(idx=torch.zeros(1, 3)), ValueError, r"idx must be a 2-D integer tensor"),
+        (dict(idx=torch.zeros(3, dtype=torch.long)), ValueError, r"idx must be a 2-D int64 or int32 tensor"),
+        (dict(idx=torch.zeros(1, 3)), ValueError, r"idx must be a 2-D int64 or int32 tensor"),
+        (dict(idx=torch.tensor([[1, VOCAB]])), ValueError, f"token id {VOCAB}, outside"),
+        (dict(stop_token_ids=[VOCAB + 1]), ValueError, f"a stop token id={VOCAB + 1} is outside"),
+        (dict(eos_token_id=1.0), TypeError, "eos_token_id=1.0 must be an int"),
+        (dict(max_new_tokens=SamplingParams(max_tokens=2), top_k=3), TypeError, "inside SamplingParams"),
+        (dict(topk=3), TypeError, r"unknown keyword arguments \['topk'\]"),
         (dict(attention_mask=torch.tensor([[1, 1, 0]])), ValueError, "pad prompts on the LEFT"),
         (dict(attention_mask=torch.tensor([[1, 0, 1]])), ValueError, "padding after a real token"),
         (dict(attention_mask=torch.tensor([[0, 2, 1]])), ValueError, "only 0 .padding. and 1"),
@@ -237,3 +242,27 @@ def test_generate_long_rejects_bad_arguments():
         generate_long(model, idx, 0)
     with pytest.raises(ValueError, match="attention_mask"):
         generate_long(model, idx, 4, attention_mask=torch.ones(1, 5))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, top_p=0.9,
+                                                                     repetition_penalty=1.2)])
+def test_decode_steps_never_wait_for_the_gpu(params):
+    """The decode loop's pieces (sample, one cached step) never read a device value back to the host."""
+    from mini_transformer.generate import decode_step, prefill
+    from mini_transformer.kv_cache import KVCache
+    from mini_transformer.sampling import sample_next
+
+    model = small_model().cuda()
+    idx = torch.randint(0, VOCAB, (2, 5), device="cuda")
+    cache = KVCache.for_model(model.config, 2, 16, device="cuda")
+    generator = torch.Generator("cuda").manual_seed(0)
+    with torch.inference_mode():
+        logits = prefill(model, idx, cache, None)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(8):
+                next_ids = sample_next(logits, params, previous_ids=idx, generator=generator)
+                logits = decode_step(model, next_ids, cache)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)

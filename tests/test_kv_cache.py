@@ -49,7 +49,7 @@ def check_cached_equals_recompute(model, idx, mask, n_steps, chunk=1, atol=1e-5)
             full_logits, _ = model(seq, attention_mask=seq_mask)
             torch.testing.assert_close(step_logits, full_logits[:, -new.shape[1]:], rtol=0, atol=atol)
     assert cache.length == seq.shape[1]
-    assert cache.row_lengths.tolist() == seq_mask.sum(dim=1).tolist()
+    assert cache.next_position.tolist() == seq_mask.sum(dim=1).tolist()
 
 
 @pytest.mark.parametrize("backend", ["naive", "sdpa"])
@@ -136,12 +136,10 @@ def test_overflow_raises_before_any_work():
     cache = KVCache.for_model(model.config, 1, 6)
     with torch.no_grad():
         model(torch.randint(0, VOCAB, (1, 5)), cache=cache)
-        k_before, keep_before = cache.k.clone(), cache.keep.clone()
+        k_before, keep_before = cache.k.clone(), cache.key_padding_mask.clone()
         with pytest.raises(ValueError, match=r"cache overflow: 5 cached \+ 2 new tokens > max_len=6"):
             model(torch.randint(0, VOCAB, (1, 2)), cache=cache)
-    assert cache.length == 5 and torch.equal(cache.k, k_before) and torch.equal(cache.keep, keep_before)
-    with pytest.raises(ValueError, match="cache overflow"):
-        cache.prepare(torch.ones(1, 2, dtype=torch.bool))
+    assert cache.length == 5 and torch.equal(cache.k, k_before) and torch.equal(cache.key_padding_mask, keep_before)
 
 
 def test_exceeding_max_seq_len_with_cache_raises():
@@ -168,7 +166,7 @@ def test_mismatched_cache_raises_before_any_work(cache_args, message):
     cache = KVCache(**{**kwargs, **cache_args}, dtype=dtype)
     with pytest.raises(ValueError, match=message), torch.no_grad():
         model(torch.randint(0, VOCAB, (2, 3)), cache=cache)
-    assert cache.length == 0 and not cache.keep.any()
+    assert cache.length == 0 and not cache.key_padding_mask.any()
 
 
 def test_reset_makes_the_cache_reusable():
@@ -179,21 +177,29 @@ def test_reset_makes_the_cache_reusable():
         first, _ = model(idx, attention_mask=mask, cache=cache)
         model(torch.randint(0, VOCAB, (2, 3)), cache=cache)
         cache.reset()
-        assert cache.length == 0 and cache.row_lengths.tolist() == [0, 0]
+        assert cache.length == 0 and cache.next_position.tolist() == [0, 0]
         again, _ = model(idx, attention_mask=mask, cache=cache)
     torch.testing.assert_close(again, first, rtol=0, atol=0)
 
 
-def test_prepare_positions_count_real_tokens_only():
+def mask_handed_to_attention(cache):
+    """What `attend` passes the model's attention as key_padding_mask (layer 0, dummy q/k/v)."""
+    B, Hkv, D = cache.batch_size, cache.k.shape[2], cache.k.shape[4]
+    T = cache.length - cache.start
+    k = torch.zeros(B, Hkv, T, D)
+    return cache.attend(0, k, k, k, lambda q, k_all, v_all, mask: mask)
+
+
+def test_begin_positions_count_real_tokens_only():
     cache = KVCache(1, 2, 10, 1, 2)
-    keep = torch.tensor([[False, False, True, True], [True, True, True, True]])
-    key_mask, positions = cache.prepare(keep)
-    assert key_mask.tolist() == keep.tolist()
+    keep = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    positions = cache.begin(torch.zeros(2, 4, dtype=torch.long), keep)
+    assert mask_handed_to_attention(cache).tolist() == keep.bool().tolist()
     assert positions[:, 2:].tolist() == [[0, 1], [2, 3]] and positions[1].tolist() == [0, 1, 2, 3]
-    cache.advance(keep)
-    key_mask, positions = cache.prepare(torch.ones(2, 1, dtype=torch.bool))
-    assert positions.tolist() == [[2], [4]] and key_mask.shape == (2, 5)
-    assert cache.row_lengths.tolist() == [2, 4]
+    positions = cache.begin(torch.zeros(2, 1, dtype=torch.long), None)
+    assert positions.tolist() == [[2], [4]] and mask_handed_to_attention(cache).shape == (2, 5)
+    assert cache.next_position.tolist() == [3, 5]  # begin counts the new tokens at once
+    assert (cache.start, cache.length) == (4, 5)
 
 
 @pytest.mark.parametrize("backend", ["naive", "sdpa"])
@@ -203,8 +209,8 @@ def test_unpadded_decode_skips_the_mask_and_still_matches(backend):
     model = small_model("rope", n_kv_heads=2, backend=backend)
     idx = torch.randint(0, VOCAB, (2, 5))
     cache = KVCache.for_model(model.config, 2, 12)
-    key_mask, _ = cache.prepare(torch.ones(2, 5, dtype=torch.bool), padded=False)
-    assert key_mask is None and not cache.has_padding
+    cache.begin(idx, None)
+    assert mask_handed_to_attention(cache) is None and not cache.has_padding
     cache.reset()
     check_cached_equals_recompute(model, idx, torch.ones_like(idx), n_steps=6)
 
@@ -223,7 +229,8 @@ def test_one_query_without_mask_equals_naive_in_every_backend():
 def test_padding_is_remembered_once_seen():
     cache = KVCache(1, 2, 8, 1, 2)
     keep = torch.tensor([[False, True], [True, True]])
-    assert cache.prepare(keep)[0] is not None
-    cache.advance(keep)
-    key_mask, _ = cache.prepare(torch.ones(2, 1, dtype=torch.bool), padded=False)
-    assert key_mask.tolist() == [[False, True, True], [True, True, True]]  # the old padding stays masked
+    cache.begin(torch.zeros(2, 2, dtype=torch.long), keep)
+    assert mask_handed_to_attention(cache) is not None
+    cache.begin(torch.zeros(2, 1, dtype=torch.long), None)
+    # the old padding stays masked
+    assert mask_handed_to_attention(cache).tolist() == [[False, True, True], [True, True, True]]

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from mini_transformer import TransformerConfig, TransformerLM
 from mini_transformer.attention import attention, causal_mask
 from mini_transformer.config import llama_ffn_size
+from mini_transformer.kv_cache import NoCache
 from mini_transformer.layers import MLP, RMSNorm, SwiGLU, make_ffn, make_norm
 
 C = 16
@@ -166,7 +167,7 @@ def test_gqa_module_equals_repeated_kv_reference(backend, n_kv_heads):
     H, D = cfg.n_heads, cfg.d_head
     assert attn.W_qkv.weight.shape == ((H + 2 * n_kv_heads) * D, cfg.d_model)
     x = torch.randn(2, 11, cfg.d_model, dtype=torch.float64)
-    torch.testing.assert_close(attn(x), attention_reference(attn, x, H, n_kv_heads))
+    torch.testing.assert_close(attn(x, NoCache()), attention_reference(attn, x, H, n_kv_heads))
 
 
 @pytest.mark.parametrize("backend", ["naive", "sdpa"])

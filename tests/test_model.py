@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mini_transformer import TransformerConfig, TransformerLM
+from mini_transformer.kv_cache import NoCache
 
 BACKENDS = ["naive", "sdpa"]
 VARIANTS = [
@@ -182,19 +183,25 @@ def test_post_norm_block_is_norm_of_residual_sum():
     model = tiny(norm_position="post")
     block = model.blocks[0]
     x = torch.randn(2, 5, 64)
-    h = block.norm_1(x + block.attn(x))
-    assert torch.allclose(block(x), block.norm_2(h + block.ffn(h)), atol=1e-6)
+    h = block.norm_1(x + block.attn(x, NoCache()))
+    assert torch.allclose(block(x, NoCache()), block.norm_2(h + block.ffn(h)), atol=1e-6)
     pre = tiny().blocks[0]
-    h = x + pre.attn(pre.norm_1(x))
-    assert torch.allclose(pre(x), h + pre.ffn(pre.norm_2(h)), atol=1e-6)
+    h = x + pre.attn(pre.norm_1(x), NoCache())
+    assert torch.allclose(pre(x, NoCache()), h + pre.ffn(pre.norm_2(h)), atol=1e-6)
 
 
 @pytest.mark.parametrize(
     "call, error, words",
     [
-        (lambda m: m(torch.randint(0, 100, (10,))), ValueError, "2-D integer tensor"),
-        (lambda m: m(torch.rand(2, 5)), ValueError, "2-D integer tensor"),
-        (lambda m: m([[1, 2]]), ValueError, "2-D integer tensor"),
+        (lambda m: m(torch.randint(0, 100, (10,))), ValueError, "2-D int64 or int32 tensor"),
+        (lambda m: m(torch.rand(2, 5)), ValueError, "2-D int64 or int32 tensor"),
+        (lambda m: m([[1, 2]]), ValueError, "2-D int64 or int32 tensor"),
+        (lambda m: m(torch.tensor([[1, 2]], dtype=torch.uint8)), ValueError, "dtype torch.uint8"),
+        (lambda m: m(torch.zeros(2, 5, dtype=torch.long), attention_mask=torch.full((2, 5), 2)), ValueError,
+         "only 0 (padding) and 1"),
+        (lambda m: m(torch.zeros(2, 5, dtype=torch.long), attention_mask=torch.full((2, 5), 0.5)), ValueError,
+         "only 0 (padding) and 1"),
+        (lambda m: m(torch.zeros(1, 5, dtype=torch.long), cache=object()), TypeError, "cache must be a KVCache"),
         (lambda m: m(torch.tensor([[1, 100]])), ValueError, "token id 100"),
         (lambda m: m(torch.tensor([[1, -3]])), ValueError, "token id -3"),
         (lambda m: m(torch.zeros(1, 33, dtype=torch.long)), ValueError, "max_seq_len=32"),

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mini_transformer import TransformerConfig, TransformerLM
+from mini_transformer.kv_cache import NoCache
 from mini_transformer.rope import RotaryEmbedding, apply_rope, rope_tables, rotate_half, sinusoidal_table
 
 FAST = settings(max_examples=15, deadline=None)
@@ -70,23 +71,18 @@ def test_score_does_change_with_the_offset():
 
 
 def test_offset_equals_slice_of_full_sequence():
+    """Turning tokens start.. of a sequence by their own positions gives the slice of the whole turned
+    sequence: what a cached decode step relies on."""
     rope = RotaryEmbedding(d_head=16, max_seq_len=32, theta=10000.0)
     q, k = torch.randn(2, 3, 20, 16), torch.randn(2, 1, 20, 16)  # GQA shapes: k has fewer heads
-    full_q, full_k = rope(q, k)
+
+    def turn(x, start):
+        cos, sin = rope.cos_sin(torch.arange(start, 20).expand(2, 20 - start), x.dtype)  # (B, 1, T, D)
+        return apply_rope(x[:, :, start:], cos, sin)
+
     for start in (0, 1, 7, 19):
-        part_q, part_k = rope(q[:, :, start:], k[:, :, start:], offset=start)
-        assert torch.equal(part_q, full_q[:, :, start:]) and torch.equal(part_k, full_k[:, :, start:])
-    ids = torch.arange(5, 20).expand(2, 15)  # explicit position ids mean the same thing
-    assert torch.equal(rope(q[:, :, 5:], k[:, :, 5:], position_ids=ids)[0], full_q[:, :, 5:])
-
-
-def test_rope_rejects_bad_offsets_and_positions():
-    rope = RotaryEmbedding(d_head=8, max_seq_len=16)
-    q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(ValueError, match="offset=-1"):
-        rope(q, q, offset=-1)
-    with pytest.raises(ValueError, match=r"\[0, 16\).*13\.\.16"):
-        rope(q, q, offset=13)
+        assert torch.equal(turn(q, start), turn(q, 0)[:, :, start:])
+        assert torch.equal(turn(k, start), turn(k, 0)[:, :, start:])
 
 
 def test_rotate_half_is_a_quarter_turn_of_each_pair():
@@ -161,14 +157,21 @@ def test_models_run_with_each_position_scheme(pos_emb):
 def test_rope_model_sees_only_relative_positions():
     """Shifting every position by the same amount leaves a RoPE model's logits unchanged: RoPE turns
     q and k only (v carries content), and their dot product depends on the offset alone."""
+
+    class Shifted(NoCache):  # a cache that only moves every position by `shift`: the cache interface at work
+        def __init__(self, shift):
+            self.shift = shift
+
+        def begin(self, idx, attention_mask):
+            return super().begin(idx, attention_mask) + self.shift
+
     model = tiny_model("rope")
     ids = torch.randint(0, 100, (2, 10))
-    base = torch.arange(10).expand(2, 10)
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, position_ids=base + 13)[0], model(ids, position_ids=base)[0],
+        torch.testing.assert_close(model(ids, cache=Shifted(13), check=False)[0], model(ids)[0],
                                    rtol=1e-5, atol=1e-5)
         absolute = tiny_model("sinusoidal")  # the absolute scheme does change
-        assert not torch.allclose(absolute(ids, position_ids=base + 13)[0], absolute(ids, position_ids=base)[0])
+        assert not torch.allclose(absolute(ids, cache=Shifted(13), check=False)[0], absolute(ids)[0])
 
 
 @pytest.mark.parametrize("pos_emb", ["rope", "sinusoidal"])

@@ -9,10 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mini_transformer.sampling import (
+    SamplingParams,
     apply_repetition_penalty,
-    apply_temperature,
-    check_sampling_args,
-    greedy,
     min_p_filter,
     sample_next,
     top_k_filter,
@@ -32,18 +30,22 @@ def kept(logits: torch.Tensor) -> list[list[int]]:
 
 def test_greedy_picks_the_argmax_of_each_row():
     logits = torch.tensor([[0.1, 2.0, -1.0], [5.0, 5.0, 1.0]])
-    assert greedy(logits).tolist() == [1, 0]  # first index on a tie
-    assert sample_next(logits, temperature=0.0).tolist() == [1, 0]
+    assert sample_next(logits, SamplingParams(temperature=0.0)).tolist() == [1, 0]  # first index on a tie
+    assert SamplingParams().greedy and not SamplingParams(temperature=0.5).greedy
 
 
-def test_temperature_scales_logits():
-    logits = torch.tensor([[1.0, 2.0, 4.0]])
-    torch.testing.assert_close(apply_temperature(logits, 0.5), logits * 2)
-    hot = torch.softmax(apply_temperature(logits, 10.0), -1)
-    cold = torch.softmax(apply_temperature(logits, 0.1), -1)
-    assert hot.max() < torch.softmax(logits, -1).max() < cold.max()
-    with pytest.raises(ValueError, match="temperature=0 means greedy"):
-        apply_temperature(logits, 0.0)
+def test_temperature_sharpens_or_flattens_the_sampled_distribution():
+    """Low temperature concentrates the draws on the top token, high temperature spreads them.
+    4000 draws per case; the bounds sit more than 6 standard deviations from the expected shares."""
+    logits = torch.tensor([[1.0, 2.0, 4.0]]).expand(4000, 3)
+    gen = torch.Generator().manual_seed(0)
+
+    def top_share(t):
+        return (sample_next(logits, SamplingParams(temperature=t), generator=gen) == 2).double().mean()
+
+    assert top_share(0.1) > 0.99  # p(top) = 0.99999995 at T=0.1
+    assert 0.80 < top_share(1.0) < 0.88  # p(top) = 0.844
+    assert top_share(10.0) < 0.45  # p(top) = 0.402
 
 
 def test_top_k_keeps_the_k_largest():
@@ -119,8 +121,7 @@ def test_filters_match_hugging_face_processors(seed, top_k, top_p, min_p, penalt
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(3, 10, generator=gen, dtype=torch.float64) * 3
     previous = torch.randint(0, 10, (3, 4), generator=gen)
-    torch.testing.assert_close(apply_temperature(logits, temperature),
-                               TemperatureLogitsWarper(temperature)(None, logits))
+    torch.testing.assert_close(logits / temperature, TemperatureLogitsWarper(temperature)(None, logits))
     torch.testing.assert_close(apply_repetition_penalty(logits, previous, penalty),
                                RepetitionPenaltyLogitsProcessor(penalty)(previous, logits))
     assert kept(top_k_filter(logits, top_k)) == kept(TopKLogitsWarper(top_k)(None, logits))
@@ -133,18 +134,20 @@ def test_filters_match_hugging_face_processors(seed, top_k, top_p, min_p, penalt
 
 def test_filters_compose_and_never_produce_nan():
     logits = torch.tensor([[1e4, -1e4, 0.0, 50.0], [-INF, 0.0, -INF, -INF]])
-    out = min_p_filter(top_p_filter(top_k_filter(apply_temperature(logits, 0.01), 3), 0.2), 0.5)
+    out = min_p_filter(top_p_filter(top_k_filter(logits / 0.01, 3), 0.2), 0.5)
     probs = torch.softmax(out, -1)
     assert not probs.isnan().any()
     assert kept(out) == [[0], [1]]
-    ids = sample_next(logits, temperature=5.0, top_k=2, top_p=0.5, min_p=0.1, generator=torch.Generator())
+    params = SamplingParams(temperature=5.0, top_k=2, top_p=0.5, min_p=0.1)
+    ids = sample_next(logits, params, generator=torch.Generator())
     assert ids.tolist() == [0, 1]
 
 
 def test_top_k_one_equals_greedy_at_any_temperature():
     logits = torch.randn(8, 30)
     for temperature in (0.5, 1.0, 10.0):
-        ids = sample_next(logits, temperature=temperature, top_k=1, generator=torch.Generator().manual_seed(1))
+        params = SamplingParams(temperature=temperature, top_k=1)
+        ids = sample_next(logits, params, generator=torch.Generator().manual_seed(1))
         assert torch.equal(ids, logits.argmax(-1))
 
 
@@ -152,9 +155,10 @@ def test_sampling_follows_the_filtered_distribution():
     """Dropped tokens are never drawn; kept ones with their renormalised probability."""
     probs = [0.4, 0.3, 0.2, 0.1]
     logits = logits_of([probs] * 20000)
-    ids = sample_next(logits, temperature=1.0, top_p=0.65, generator=torch.Generator().manual_seed(0))
+    ids = sample_next(logits, SamplingParams(temperature=1.0, top_p=0.65), generator=torch.Generator().manual_seed(0))
     counts = torch.bincount(ids, minlength=4).double() / len(ids)
     assert counts[2] == 0 and counts[3] == 0  # 0.4 + 0.3 crosses 0.65; the rest are dropped
+    # 20000 draws: the standard deviation of each share is 0.0035, so 0.02 is 5.7 of them (false alarm < 1e-7)
     torch.testing.assert_close(counts[:2], torch.tensor([4 / 7, 3 / 7], dtype=torch.float64), atol=0.02, rtol=0)
 
 
@@ -162,7 +166,8 @@ def test_same_seed_same_sample_and_other_seed_other_sample():
     logits = torch.randn(64, 40)
 
     def draw(seed):
-        return sample_next(logits, temperature=1.0, top_p=0.95, generator=torch.Generator().manual_seed(seed))
+        params = SamplingParams(temperature=1.0, top_p=0.95)
+        return sample_next(logits, params, generator=torch.Generator().manual_seed(seed))
 
     assert torch.equal(draw(7), draw(7))
     assert not torch.equal(draw(7), draw(8))
@@ -170,11 +175,9 @@ def test_same_seed_same_sample_and_other_seed_other_sample():
 
 def test_repetition_penalty_changes_the_greedy_choice():
     logits = torch.tensor([[3.0, 2.0, 0.0]])
-    assert sample_next(logits).tolist() == [0]
+    assert sample_next(logits, SamplingParams()).tolist() == [0]
     previous = torch.tensor([[0]])
-    assert sample_next(logits, repetition_penalty=2.0, previous_ids=previous).tolist() == [1]
-    with pytest.raises(ValueError, match="repetition_penalty needs previous_ids"):
-        sample_next(logits, repetition_penalty=2.0)
+    assert sample_next(logits, SamplingParams(repetition_penalty=2.0), previous_ids=previous).tolist() == [1]
 
 
 @pytest.mark.parametrize(
@@ -198,17 +201,34 @@ def test_repetition_penalty_changes_the_greedy_choice():
 )
 def test_bad_values_raise(kwargs, error, message):
     with pytest.raises(error, match=message):
-        check_sampling_args(**kwargs)
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(max_tokens=0), ValueError, "max_tokens=0 must be a positive integer"),
+        (dict(max_tokens=2.0), TypeError, "max_tokens=2.0 must be an int"),
+        (dict(stop_token_ids=[1, -2]), ValueError, r"stop_token_ids=\[1, -2\] must be a list of non-negative"),
+        (dict(stop_token_ids=5), ValueError, "stop_token_ids=5"),
+    ],
+)
+def test_bad_lengths_and_stops_raise(kwargs, error, message):
     with pytest.raises(error, match=message):
-        sample_next(torch.zeros(1, 4), previous_ids=torch.zeros(1, 1, dtype=torch.long), **kwargs)
+        SamplingParams(**kwargs)
+    with pytest.raises(TypeError, match="seed='x' must be an int"):
+        SamplingParams(seed="x")
+    with pytest.raises(TypeError, match="ignore_eos=1 must be a bool"):
+        SamplingParams(ignore_eos=1)
 
 
-def test_bad_logits_and_ids_raise():
-    with pytest.raises(ValueError, match=r"logits must be a 2-D float tensor \(B, V\), got \(4,\)"):
-        top_k_filter(torch.zeros(4), 2)
-    with pytest.raises(ValueError, match="logits must be a 2-D float tensor"):
-        greedy(torch.zeros(2, 3, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"previous_ids must be \(B, T\) with B=2"):
-        apply_repetition_penalty(torch.zeros(2, 4), torch.zeros(3, 1, dtype=torch.long), 1.5)
-    with pytest.raises(ValueError, match="previous_mask has shape"):
-        apply_repetition_penalty(torch.zeros(1, 4), torch.zeros(1, 2, dtype=torch.long), 1.5, torch.ones(1, 3))
+def test_sampling_params_are_frozen_and_name_every_stop():
+    params = SamplingParams(stop_token_ids=[3, 4])
+    assert params.stop_token_ids == (3, 4)  # a list comes in, a tuple is kept (hashable, immutable)
+    assert params.stops(eos_token_id=0) == (3, 4, 0) and params.stops(None) == (3, 4)
+    assert SamplingParams(stop_token_ids=[3], ignore_eos=True).stops(eos_token_id=0) == (3,)
+    with pytest.raises(AttributeError):
+        params.temperature = 1.0  # frozen: checked once, never changed behind the check's back
+    assert params.make_generator() is None
+    a, b = SamplingParams(seed=5).make_generator(), SamplingParams(seed=5).make_generator()
+    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))

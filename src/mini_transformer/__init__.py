@@ -7,6 +7,7 @@ from .config import PRESETS, TransformerConfig
 # `from mini_transformer import generate` then returned the module instead of the function.
 from .generate import generate
 from .kv_cache import KVCache
+from .sampling import SamplingParams
 from .transformer import TransformerLM
 
-__all__ = ["PRESETS", "KVCache", "TransformerConfig", "TransformerLM", "generate"]
+__all__ = ["PRESETS", "KVCache", "SamplingParams", "TransformerConfig", "TransformerLM", "generate"]

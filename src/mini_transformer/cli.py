@@ -119,6 +119,7 @@ def _run_sample(args) -> None:
     import torch
 
     from .generate import generate_long
+    from .sampling import SamplingParams
     from .tokenizer import load_tokenizer
     from .transformer import TransformerLM
 
@@ -134,12 +135,15 @@ def _run_sample(args) -> None:
         raise ValueError("--prompt is empty; give at least one character of text to continue")
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=args.device)  # (1, T)
     stream = _TextStream(tokenizer, out, args.prompt)
-    generate_long(  # past max_seq_len it slides the context window (re-prefilling its second half)
-        model, idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, eos_token_id=tokenizer.eos_token_id,
-        use_cache=not args.no_cache, generator=torch.Generator(device=args.device).manual_seed(args.seed),
-        stream=stream,
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens: max_new_tokens={args.max_new_tokens} must be a positive integer")
+    params = SamplingParams(
+        max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
     )
+    # past max_seq_len generate_long slides the context window (re-prefilling its second half)
+    generate_long(model, idx, params, eos_token_id=tokenizer.eos_token_id, use_cache=not args.no_cache,
+                  stream=stream)
     stream.flush()
     out.write("\n")
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-POS_EMBS = ("learned", "rope", "sinusoidal", "none")
-NORMS = ("layernorm", "rmsnorm")
-NORM_POSITIONS = ("pre", "post")
-FFNS = ("gelu", "gelu_tanh", "relu", "swiglu")
-ATTN_BACKENDS = ("naive", "sdpa", "tiled", "triton")
+PosEmb = Literal["learned", "rope", "sinusoidal", "none"]
+Norm = Literal["layernorm", "rmsnorm"]
+NormPosition = Literal["pre", "post"]  # pre (GPT-2, Llama) | post (the 2017 paper)
+Ffn = Literal["gelu", "gelu_tanh", "relu", "swiglu"]
+AttnBackend = Literal["naive", "sdpa", "tiled", "triton"]
+# the allowed values, read from the types above (one list to keep)
+POS_EMBS, NORMS, NORM_POSITIONS, FFNS, ATTN_BACKENDS = map(get_args, (PosEmb, Norm, NormPosition, Ffn, AttnBackend))
 
 
 def llama_ffn_size(d_model: int, multiple_of: int) -> int:
@@ -83,19 +86,19 @@ class TransformerConfig(DictIO):
     n_layer: int = 12
     max_seq_len: int = 1024
     n_kv_heads: int | None = None  # GQA when < n_heads, MQA when 1
-    pos_emb: str = "learned"  # learned | rope | sinusoidal | none
+    pos_emb: PosEmb = "learned"
     rope_theta: float = 10000.0
-    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm: Norm = "layernorm"
     norm_eps: float = 1e-5
-    norm_position: str = "pre"  # pre (GPT-2, Llama) | post (2017 paper)
-    ffn: str = "gelu"  # gelu | gelu_tanh | relu | swiglu
+    norm_position: NormPosition = "pre"
+    ffn: Ffn = "gelu"
     ffn_multiple_of: int = 256  # SwiGLU width rounding when d_ff is not given
     attn_pdrop: float = 0.0
     resid_pdrop: float = 0.0
     embd_pdrop: float = 0.0
     bias: bool = True
     tie_weights: bool = True
-    attn_backend: str = "naive"  # naive | sdpa | tiled | triton
+    attn_backend: AttnBackend = "naive"
     init_std: float | None = None  # None = sqrt(2 / (5 * d_model)), see small_init_std
     activation_checkpointing: bool = False  # training: keep block inputs only, recompute the rest in backward
 

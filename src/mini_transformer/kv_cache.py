@@ -1,40 +1,75 @@
-"""A preallocated key/value cache: one (B, Hkv, max_len, D) slab per layer, written by position.
+"""What the model asks of a cache, and the two answers this file gives.
 
-Rows of a batch are left-padded, so every row has the same number of written slots (`length`);
-`keep` remembers which slots hold real tokens and `next_position` how many real tokens each row
-has seen (the position id of its next token). `has_padding` stays False until a padded batch is
-written, and until then attention gets no mask at all (a single decode query sees every key).
+The model never looks inside a cache. For each forward pass it asks two things:
+
+    positions = cache.begin(idx, attention_mask)       # (B, T) position ids of the new tokens
+    out = cache.attend(layer, q, k, v, attend)         # per layer: keep k, v; attend over what each query may see
+
+`NoCache` is a forward pass over whole sequences (training, a full recompute): the keys are the new
+tokens themselves. `KVCache` is the contiguous slab of generate(): one (B, Hkv, max_len, D) tensor per
+layer, written by position. The serving engine's paged batch answers the same two calls over a pool of
+blocks, so the same model runs all three.
+
+`attend(q, k, v, key_padding_mask)` is the model's attention (its backend, causal, queries at the end of
+the keys); key_padding_mask (B, Tk) bool, True = a real key, or None when no key is padding.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from .config import TransformerConfig
 
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+class Cache(Protocol):
+    def begin(self, idx: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor: ...
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend) -> torch.Tensor: ...
+
+
+class NoCache:
+    """Whole sequences, nothing kept: keys and values are the new tokens' own."""
+
+    key_padding_mask: torch.Tensor | None = None
+
+    def begin(self, idx: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        B, T = idx.shape
+        if attention_mask is None:  # nothing to mask but the future: lets backends take fast paths
+            return torch.arange(T, device=idx.device).expand(B, T)  # (B, T)
+        self.key_padding_mask = attention_mask.bool()  # (B, T)
+        # a left-padded row starts at position 0 at its first real token
+        return (self.key_padding_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, T)
+
+    def attend(self, layer, q, k, v, attend: Attend) -> torch.Tensor:
+        return attend(q, k, v, self.key_padding_mask)
+
 
 class KVCache:
-    def __init__(
-        self,
-        n_layer: int,
-        batch_size: int,
-        max_len: int,
-        n_kv_heads: int,
-        d_head: int,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ):
+    """A preallocated cache: one (B, Hkv, max_len, D) slab of keys and one of values per layer.
+
+    Rows of a batch are left-padded, so every row has the same number of written slots (`length`);
+    `key_padding_mask` remembers which slots hold real tokens and `next_position` how many real tokens
+    each row has seen (the position id of its next token). `has_padding` stays False until a padded
+    batch is written; until then attention gets no mask at all (a single decode query sees every key).
+    """
+
+    def __init__(self, n_layer: int, batch_size: int, max_len: int, n_kv_heads: int, d_head: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         for name, value in (("n_layer", n_layer), ("batch_size", batch_size), ("max_len", max_len),
                             ("n_kv_heads", n_kv_heads), ("d_head", d_head)):
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         shape = (n_layer, batch_size, n_kv_heads, max_len, d_head)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.keep = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+        self.key_padding_mask = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.length = 0
+        self.start = self.length = 0  # the slots [start, length) hold the tokens of the current pass
         self.has_padding = False  # a Python flag, so that deciding "no mask needed" never syncs a device
 
     @classmethod
@@ -58,18 +93,13 @@ class KVCache:
         """2 (k and v) * n_layer * B * Hkv * max_len * D * bytes per element."""
         return self.k.nbytes + self.v.nbytes
 
-    @property
-    def row_lengths(self) -> torch.Tensor:
-        """(B,) number of real (non-padding) tokens cached per row."""
-        return self.next_position.clone()
-
     def check_fits(self, cfg: TransformerConfig, batch_size: int, n_new: int, dtype: torch.dtype) -> None:
-        """Raise ValueError if this cache cannot take `n_new` tokens of a model with config `cfg`
-        running in `dtype` (called by the model before any work)."""
-        _, B, Hkv, max_len, D = self.k.shape
-        if (self.k.shape[0], Hkv, D) != (cfg.n_layer, cfg.n_kv_heads, cfg.d_head):
+        """Raise ValueError unless this cache can take `n_new` tokens of a `cfg` model running in `dtype`.
+        The model's door calls it when a user hands in a cache."""
+        n_layer, B, Hkv, max_len, D = self.k.shape
+        if (n_layer, Hkv, D) != (cfg.n_layer, cfg.n_kv_heads, cfg.d_head):
             raise ValueError(
-                f"cache has (n_layer, n_kv_heads, d_head) = {(self.k.shape[0], Hkv, D)}, expected "
+                f"cache has (n_layer, n_kv_heads, d_head) = {(n_layer, Hkv, D)}, expected "
                 f"{(cfg.n_layer, cfg.n_kv_heads, cfg.d_head)} from the model's config"
             )
         if B != batch_size:
@@ -81,40 +111,34 @@ class KVCache:
 
     def reset(self) -> None:
         """Forget everything (the slabs are kept and overwritten): ready for a new batch of prompts."""
-        self.keep.zero_()
+        self.key_padding_mask.zero_()
         self.next_position.zero_()
-        self.length = 0
+        self.start = self.length = 0
         self.has_padding = False
 
-    def prepare(self, keep_new: torch.Tensor, *, padded: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Reserve slots for T new tokens. keep_new (B, T) bool, True = real token; `padded=False`
-        promises that keep_new is all True (the caller knows it without looking at the tensor).
+    def begin(self, idx: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Reserve the next T slots for the new tokens idx (B, T); attention_mask (B, T), 1 = real token,
+        None = all real. Returns their position ids (B, T)."""
+        T = idx.shape[1]
+        self.start, self.length = self.length, self.length + T
+        new_slots = self.key_padding_mask[:, self.start:self.length]  # (B, T) view
+        if attention_mask is None:
+            new_slots.fill_(True)
+            positions = self.next_position[:, None] + torch.arange(T, device=idx.device)  # (B, T)
+            self.next_position += T
+            return positions
+        keep = attention_mask.bool()  # (B, T)
+        new_slots.copy_(keep)
+        self.has_padding = True
+        positions = (self.next_position[:, None] + keep.cumsum(dim=-1) - 1).clamp(min=0)  # (B, T)
+        self.next_position += keep.sum(dim=-1)
+        return positions
 
-        Returns the key padding mask for all keys so far (B, length + T), or None while no slot ever
-        held padding (lets attention skip the mask), and the new tokens' position ids (B, T).
-        Call `advance(keep_new)` once every layer has called `update`.
-        """
-        B, T = keep_new.shape
-        if B != self.batch_size:
-            raise ValueError(f"batch size {B} does not match the cache's batch_size={self.batch_size}")
-        if self.length + T > self.max_len:
-            raise ValueError(
-                f"cache overflow: {self.length} cached + {T} new tokens > max_len={self.max_len}"
-            )
-        end = self.length + T
-        self.keep[:, self.length:end] = keep_new
-        position_ids = (self.next_position[:, None] + keep_new.cumsum(dim=-1) - 1).clamp(min=0)  # (B, T)
-        self.has_padding = self.has_padding or padded
-        return (self.keep[:, :end] if self.has_padding else None), position_ids
-
-    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this layer's new keys/values (B, Hkv, T, D); return all keys/values (B, Hkv, length + T, D)."""
-        end = self.length + k_new.shape[2]
-        k_all, v_all = self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # views into the slabs
-        k_all[:, :, self.length:].copy_(k_new)
-        v_all[:, :, self.length:].copy_(v_new)
-        return k_all, v_all
-
-    def advance(self, keep_new: torch.Tensor) -> None:
-        self.length += keep_new.shape[1]
-        self.next_position += keep_new.sum(dim=-1)
+    def attend(self, layer, q, k, v, attend: Attend) -> torch.Tensor:
+        """Write this layer's new keys/values (B, Hkv, T, D) into their slots, then attend over every
+        slot written so far (B, Hkv, length, D)."""
+        k_all, v_all = self.k[layer, :, :, :self.length], self.v[layer, :, :, :self.length]  # views
+        k_all[:, :, self.start:].copy_(k)
+        v_all[:, :, self.start:].copy_(v)
+        key_padding_mask = self.key_padding_mask[:, :self.length] if self.has_padding else None
+        return attend(q, k_all, v_all, key_padding_mask)

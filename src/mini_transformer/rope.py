@@ -44,21 +44,6 @@ class RotaryEmbedding(nn.Module):
         """position_ids (B, T) -> cos, sin (B, 1, T, D) in `dtype`, ready to broadcast over heads."""
         return self.cos[position_ids][:, None].to(dtype), self.sin[position_ids][:, None].to(dtype)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor | None = None, offset: int = 0):
-        """q (B, H, T, D), k (B, Hkv, T, D). Positions are `position_ids` (B, T) when given (left-padded
-        batches), else offset, offset + 1, ... (cached decode: the new tokens follow `offset` old ones)."""
-        B, T = q.shape[0], q.shape[2]
-        if position_ids is None:
-            if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-                raise ValueError(f"offset={offset!r} must be a non-negative int")
-            position_ids = torch.arange(offset, offset + T, device=q.device).expand(B, T)
-        table_len = self.cos.shape[0]
-        if position_ids.numel() and not 0 <= int(position_ids.min()) <= int(position_ids.max()) < table_len:
-            raise ValueError(f"positions must lie in [0, {table_len}) (the table length), got "
-                             f"{int(position_ids.min())}..{int(position_ids.max())}")
-        cos, sin = self.cos_sin(position_ids, q.dtype)  # (B, 1, T, D)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
 
 def sinusoidal_table(max_seq_len: int, d_model: int) -> torch.Tensor:
     """The 2017 paper's fixed positions: pe[t, 2i] = sin(t / 10000^(2i/C)), pe[t, 2i+1] = cos(...)."""

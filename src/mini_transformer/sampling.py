@@ -1,18 +1,21 @@
-"""Choosing the next token: pure functions on logits (B, V), nothing here knows the model or the cache.
+"""Choosing the next token: `SamplingParams` (checked once) and pure functions on logits (B, V).
 
-Each filter takes logits and returns logits with the dropped tokens set to -inf, so they compose:
+Nothing here knows the model or the cache. Each filter takes logits and returns logits with the dropped
+tokens set to -inf, so they compose:
 
     logits = apply_repetition_penalty(logits, previous_ids, 1.3)
-    logits = top_p_filter(top_k_filter(apply_temperature(logits, 0.8), 50), 0.9)
-    next_ids = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+    logits = top_p_filter(top_k_filter(logits / 0.8, 50), 0.9)
+    next_ids = sample_from(logits, generator)
 
 `sample_next` runs them in that order (penalty, temperature, top-k, top-p, min-p; Hugging Face's order).
 Every filter keeps at least the most likely token, so the softmax never sees a row of only -inf (no NaN).
+The filters trust their arguments: `SamplingParams` checks the user's values once, where they come in.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -21,65 +24,76 @@ def _is_number(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | float)
 
 
-def check_sampling_args(
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float | None = None,
-) -> None:
-    """Raise ValueError (TypeError for a wrong type) naming the first bad argument."""
-    if not _is_number(temperature):
-        raise TypeError(f"temperature={temperature!r} must be a number")
-    if not (math.isfinite(temperature) and temperature >= 0.0):
-        raise ValueError(f"temperature={temperature} must be a finite number >= 0 (0 means greedy)")
-    if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int):
-            raise TypeError(f"top_k={top_k!r} must be an int or None")
-        if top_k < 1:
-            raise ValueError(f"top_k={top_k} must be >= 1")
-    if top_p is not None:
-        if not _is_number(top_p):
-            raise TypeError(f"top_p={top_p!r} must be a number or None")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p={top_p} must be in (0, 1]")
-    if min_p is not None:
-        if not _is_number(min_p):
-            raise TypeError(f"min_p={min_p!r} must be a number or None")
-        if not 0.0 <= min_p <= 1.0:
-            raise ValueError(f"min_p={min_p} must be in [0, 1]")
-    if repetition_penalty is not None:
-        if not _is_number(repetition_penalty):
-            raise TypeError(f"repetition_penalty={repetition_penalty!r} must be a number or None")
-        if not (math.isfinite(repetition_penalty) and repetition_penalty > 0.0):
-            raise ValueError(f"repetition_penalty={repetition_penalty} must be a finite number > 0 (1 = off)")
+def _is_int(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int)
 
 
-def _check_logits(logits: torch.Tensor) -> None:
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
-        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise ValueError(f"logits must be a 2-D float tensor (B, V), got {shape}")
+# field: (type test, what type, value test, what values) -- None is allowed for every optional field
+_RULES = {
+    "temperature": (_is_number, "a number", lambda v: math.isfinite(v) and v >= 0.0,
+                    "a finite number >= 0 (0 means greedy)"),
+    "top_k": (_is_int, "an int or None", lambda v: v >= 1, ">= 1"),
+    "top_p": (_is_number, "a number or None", lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    "min_p": (_is_number, "a number or None", lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+    "repetition_penalty": (_is_number, "a number or None", lambda v: math.isfinite(v) and v > 0.0,
+                           "a finite number > 0 (1 = off)"),
+    "max_tokens": (_is_int, "an int", lambda v: v >= 1, "a positive integer"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "a bool", lambda v: True, ""),
+    "seed": (_is_int, "an int or None", lambda v: True, ""),
+}
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """(B, V) -> (B,) the most likely token of each row (the first one on a tie)."""
-    _check_logits(logits)
-    return logits.argmax(dim=-1)
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop, for one request (or one `generate` call).
 
+    temperature 0 is greedy (the filters cannot change the argmax, so they are skipped). `max_tokens` new
+    tokens at most; a request also stops at any of `stop_token_ids`, and at the model's EOS token unless
+    `ignore_eos`. `seed` makes a sampled request reproducible on its own, whatever else runs beside it.
+    """
 
-def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits / temperature: < 1 sharpens the distribution, > 1 flattens it. 0 is greedy, not a division."""
-    check_sampling_args(temperature=temperature)
-    if temperature == 0.0:
-        raise ValueError("temperature=0 means greedy decoding; call greedy(logits) instead of dividing by 0")
-    return logits / temperature
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, (is_type, type_text, is_valid, values_text) in _RULES.items():
+            value = getattr(self, name)
+            if value is None and name not in ("temperature", "max_tokens", "ignore_eos"):
+                continue
+            if not is_type(value):
+                raise TypeError(f"{name}={value!r} must be {type_text}")
+            if not is_valid(value):
+                raise ValueError(f"{name}={value} must be {values_text}")
+        stops = self.stop_token_ids
+        if not isinstance(stops, tuple | list) or not all(_is_int(t) and t >= 0 for t in stops):
+            raise ValueError(f"stop_token_ids={stops!r} must be a list of non-negative token ids")
+        object.__setattr__(self, "stop_token_ids", tuple(stops))  # a list is accepted, a tuple is kept
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def stops(self, eos_token_id: int | None) -> tuple[int, ...]:
+        """Every token id that ends this request: the stop ids, plus EOS unless ignore_eos."""
+        if eos_token_id is None or self.ignore_eos:
+            return self.stop_token_ids
+        return (*self.stop_token_ids, eos_token_id)
+
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """A generator seeded with `seed` (None: draw from torch's global generator)."""
+        return None if self.seed is None else torch.Generator(device).manual_seed(self.seed)
 
 
 def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     """Keep the k largest logits of each row (and any token tied with the k-th), set the rest to -inf.
     top_k >= V keeps every token."""
-    check_sampling_args(top_k=top_k)
-    _check_logits(logits)
     if top_k >= logits.shape[-1]:
         return logits
     kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
@@ -91,8 +105,6 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
     Sorted by probability, a token is dropped when the tokens before it already reach top_p, so the
     token that crosses top_p is kept (and the most likely token always is)."""
-    check_sampling_args(top_p=top_p)
-    _check_logits(logits)
     if top_p == 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
@@ -105,8 +117,6 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     """Drop tokens whose probability is below min_p times the row's top probability."""
-    check_sampling_args(min_p=min_p)
-    _check_logits(logits)
     probs = torch.softmax(logits.float(), dim=-1)  # (B, V)
     threshold = min_p * probs.max(dim=-1, keepdim=True).values  # (B, 1)
     return logits.masked_fill(probs < threshold, float("-inf"))
@@ -121,56 +131,48 @@ def apply_repetition_penalty(
     """Make tokens already present in `previous_ids` (B, T) less likely (the CTRL rule):
     a positive logit is divided by `penalty`, a negative one multiplied by it. penalty 1 changes nothing.
     previous_mask (B, T), True = a real token, leaves padding out of the count."""
-    check_sampling_args(repetition_penalty=penalty)
-    _check_logits(logits)
     B, V = logits.shape
-    if not isinstance(previous_ids, torch.Tensor) or previous_ids.dim() != 2 or previous_ids.shape[0] != B:
-        shape = tuple(previous_ids.shape) if isinstance(previous_ids, torch.Tensor) else type(previous_ids).__name__
-        raise ValueError(f"previous_ids must be (B, T) with B={B} like logits, got {shape}")
     if previous_mask is None:
         previous_mask = torch.ones_like(previous_ids, dtype=torch.bool)
-    elif tuple(previous_mask.shape) != tuple(previous_ids.shape):
-        raise ValueError(
-            f"previous_mask has shape {tuple(previous_mask.shape)}, "
-            f"expected {tuple(previous_ids.shape)} like previous_ids"
-        )
     counts = torch.zeros(B, V, dtype=torch.long, device=logits.device)
     counts.scatter_add_(1, previous_ids.long(), previous_mask.long())  # (B, V): how often each token was seen
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
     return torch.where(counts > 0, penalised, logits)
 
 
+def sample_from(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token per row from softmax(logits): (B, V) -> (B,).
+
+    The exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i (the
+    smallest E_i / p_i wins, and E_i / p_i ~ Exp(p_i)). Unlike torch.multinomial it never waits for the
+    device, so a GPU decode loop runs without a sync (gpt-fast samples the same way)."""
+    probs = torch.softmax(logits.float(), dim=-1)  # (B, V); dropped tokens have probability exactly 0
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)  # (B, V)
+    return (probs / race).argmax(dim=-1)  # (B,)
+
+
 def sample_next(
     logits: torch.Tensor,
+    params: SamplingParams,
     *,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float | None = None,
     previous_ids: torch.Tensor | None = None,
     previous_mask: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """(B, V) logits of the last position -> (B,) next token ids.
+    """(B, V) logits of the last position -> (B,) next token ids, chosen as `params` says.
 
-    temperature 0 is greedy (top-k/top-p/min-p cannot change the argmax, so they are skipped);
-    otherwise the filters run in order and one token per row is drawn with `generator`."""
-    check_sampling_args(temperature, top_k, top_p, min_p, repetition_penalty)
-    _check_logits(logits)
+    previous_ids (B, T) are the tokens seen so far (needed for the repetition penalty only)."""
     logits = logits.float()
-    if repetition_penalty is not None and repetition_penalty != 1.0:
-        if previous_ids is None:
-            raise ValueError("repetition_penalty needs previous_ids (B, T): the tokens seen so far")
-        logits = apply_repetition_penalty(logits, previous_ids, repetition_penalty, previous_mask)
-    if temperature == 0.0:
+    if params.repetition_penalty is not None and params.repetition_penalty != 1.0:
+        assert previous_ids is not None, "the repetition penalty needs the tokens seen so far"
+        logits = apply_repetition_penalty(logits, previous_ids, params.repetition_penalty, previous_mask)
+    if params.greedy:
         return logits.argmax(dim=-1)
-    logits = apply_temperature(logits, temperature)
-    if top_k is not None:
-        logits = top_k_filter(logits, top_k)
-    if top_p is not None:
-        logits = top_p_filter(logits, top_p)
-    if min_p is not None and min_p > 0.0:
-        logits = min_p_filter(logits, min_p)
-    probs = torch.softmax(logits, dim=-1)  # (B, V); dropped tokens have probability exactly 0
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)  # (B,)
+    logits = logits / params.temperature  # < 1 sharpens the distribution, > 1 flattens it
+    if params.top_k is not None:
+        logits = top_k_filter(logits, params.top_k)
+    if params.top_p is not None:
+        logits = top_p_filter(logits, params.top_p)
+    if params.min_p is not None and params.min_p > 0.0:
+        logits = min_p_filter(logits, params.min_p)
+    return sample_from(logits, generator)

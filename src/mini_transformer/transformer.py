@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .attention import attention
+from .attention import get_backend
 from .config import TransformerConfig
-from .kv_cache import KVCache
+from .kv_cache import Cache, KVCache, NoCache
 from .layers import make_ffn, make_norm
 from .rope import RotaryEmbedding, apply_rope, sinusoidal_table
 
@@ -22,32 +21,50 @@ def dropout(p: float) -> nn.Module:
     return nn.Dropout(p) if p > 0 else nn.Identity()
 
 
-def check_token_ids(idx) -> tuple[int, int]:
-    """idx must be a non-empty 2-D integer tensor (B, T); returns (B, T). Values are checked by the model."""
-    is_int = isinstance(idx, torch.Tensor) and not idx.is_floating_point() and idx.dtype != torch.bool
-    if not is_int or idx.dim() != 2:
+def check_token_ids(idx, vocab_size: int) -> tuple[int, int]:
+    """idx must be a non-empty 2-D int64/int32 tensor (B, T) of ids in [0, vocab_size); returns (B, T).
+
+    A door check: it reads the ids' range back from the device, so it runs once per call a user makes,
+    never inside a decode loop."""
+    if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32) or idx.dim() != 2:
         shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
         dtype = getattr(idx, "dtype", None)
-        raise ValueError(f"idx must be a 2-D integer tensor (B, T), got {shape} of dtype {dtype}")
+        raise ValueError(f"idx must be a 2-D int64 or int32 tensor (B, T), got {shape} of dtype {dtype}")
     B, T = idx.shape
     if B == 0 or T == 0:
         raise ValueError(f"idx has shape {(B, T)} (B={B}, T={T}); expected at least one row and one token")
+    low, high = int(idx.min()), int(idx.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"idx contains token id {bad}, outside [0, vocab_size={vocab_size})")
     return B, T
 
 
+def check_attention_mask(attention_mask, shape: tuple[int, int]) -> None:
+    """attention_mask must be a (B, T) tensor of 0 (padding) and 1 (real token), like idx."""
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != shape:
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask has shape {got}, expected (B, T) = {shape} like idx")
+    if attention_mask.is_floating_point() or bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token), as bool or integers")
+
+
 class Attend(nn.Module):
-    """softmax(q k^T / sqrt(D)) v through the configured backend. No parameters: it exists so that
-    hooks (and `mini-transformer trace`) can see q, k, v and the output of every layer."""
+    """softmax(q k^T / sqrt(D)) v through the configured backend, causal, queries at the end of the keys.
+
+    No parameters: it exists so that hooks (and `mini-transformer trace`) can see q, k, v and the output
+    of every layer. The backend function is looked up once here; it trusts its inputs."""
 
     def __init__(self, backend: str, dropout_p: float):
         super().__init__()
         self.backend = backend
+        self.fn = get_backend(backend)
         self.dropout_p = dropout_p
 
     def forward(self, q, k, v, key_padding_mask=None):
         dropout_p = self.dropout_p if self.training else 0.0
-        return attention(q, k, v, causal=True, key_padding_mask=key_padding_mask,
-                         dropout_p=dropout_p, backend=self.backend)
+        return self.fn(q, k, v, causal=True, key_padding_mask=key_padding_mask, dropout_p=dropout_p,
+                       scale=1.0 / math.sqrt(q.shape[-1]))
 
 
 class MultiHeadAttention(nn.Module):
@@ -66,7 +83,7 @@ class MultiHeadAttention(nn.Module):
         self.W_o = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.attend = Attend(cfg.attn_backend, cfg.attn_pdrop)
 
-    def forward(self, x, *, rope=None, key_padding_mask=None, cache: KVCache | None = None):
+    def forward(self, x, cache: Cache, rope=None):
         B, T, C = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.d_head
         qkv = self.W_qkv(x)  # (B, T, (H + 2*Hkv) * D)
@@ -75,9 +92,7 @@ class MultiHeadAttention(nn.Module):
         if rope is not None:  # RoPE turns q and k by their positions; v carries content only
             cos, sin = rope  # (B, 1, T, D)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, Tk, D) with the past prepended
-        out = self.attend(q, k, v, key_padding_mask)  # (B, H, T, D)
+        out = cache.attend(self.layer_idx, q, k, v, self.attend)  # (B, H, T, D): keys kept, then attended
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D): heads concatenated (C, or a TP shard)
         return self.W_o(out)
 
@@ -94,12 +109,19 @@ class TransformerBlock(nn.Module):
         self.ffn = make_ffn(cfg)
         self.resid_drop = dropout(cfg.resid_pdrop)
 
-    def forward(self, x, **attn_kwargs):
+    def forward(self, x, cache: Cache, rope=None):
         if self.pre_norm:  # x + f(norm(x)): the residual stream itself is never normalised
-            x = x + self.resid_drop(self.attn(self.norm_1(x), **attn_kwargs))
+            x = x + self.resid_drop(self.attn(self.norm_1(x), cache, rope))
             return x + self.resid_drop(self.ffn(self.norm_2(x)))
-        x = self.norm_1(x + self.resid_drop(self.attn(x, **attn_kwargs)))  # norm(x + f(x))
+        x = self.norm_1(x + self.resid_drop(self.attn(x, cache, rope)))  # norm(x + f(x))
         return self.norm_2(x + self.resid_drop(self.ffn(x)))
+
+
+def lm_loss(logits, targets):
+    """Mean cross-entropy over the targets that are not -100 (0 if there are none). logits (B, T, V)."""
+    flat = targets.reshape(-1)
+    total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), flat, ignore_index=-100, reduction="sum")
+    return total / (flat != -100).sum().clamp(min=1)
 
 
 class TransformerLM(nn.Module):
@@ -136,86 +158,59 @@ class TransformerLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() counts a tied tensor once
 
-    def forward(self, idx, targets=None, *, attention_mask=None, position_ids=None, cache: KVCache | None = None):
-        """idx (B, T) int64; attention_mask (B, T), 1 = real token (covers the new tokens only when a
-        cache is given); position_ids (B, T) override the ones derived from the mask.
-        Returns (logits (B, T, V), loss or None). Targets equal to -100 are ignored."""
-        B, T = self._check_inputs(idx, targets, attention_mask, position_ids, cache)
-        keep = None if attention_mask is None else attention_mask.to(torch.bool)  # (B, T)
-        if cache is not None:
-            if keep is None:
-                keep = torch.ones(B, T, dtype=torch.bool, device=idx.device)
-            # (B, Tk) or None while nothing cached is padding, (B, T)
-            key_padding_mask, positions = cache.prepare(keep, padded=attention_mask is not None)
-        elif keep is None:  # nothing to mask but the future: lets backends take fast paths
-            key_padding_mask, positions = None, torch.arange(T, device=idx.device).expand(B, T)  # (B, T)
-        else:  # a left-padded row starts at position 0 at its first real token
-            key_padding_mask, positions = keep, (keep.cumsum(dim=-1) - 1).clamp(min=0)  # (B, T)
-        if position_ids is not None:
-            positions = position_ids
+    def forward(self, idx, targets=None, *, attention_mask=None, cache: Cache | None = None, check: bool = True):
+        """idx (B, T) token ids; targets (B, T) next-token ids, -100 = ignored; attention_mask (B, T),
+        1 = real token (left padding; with a cache it covers the new tokens only); cache: a `KVCache`
+        to read and extend. Returns (logits (B, T, V), loss or None).
 
-        x = self.tok_emb(idx)  # (B, T, C)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)  # (B, T, C)
-        elif self.config.pos_emb == "sinusoidal":
-            x = x + self.sinusoid[positions]
-        x = self.emb_drop(x)
-        rope = None
-        if self.rope is not None:
-            cos, sin = self.rope.cos_sin(positions, x.dtype)  # (B, 1, T, D), shared by all layers
-            rope = (cos, sin)
+        `check=False` skips the input checks: for callers that checked once already (generate, the
+        engine, training), since checking token ids reads them back from the device."""
+        if check and not torch.compiler.is_compiling():  # reading values would split a compiled graph
+            self.check_inputs(idx, targets, attention_mask, cache)
+        cache = NoCache() if cache is None else cache
+        positions = cache.begin(idx, attention_mask)  # (B, T): left padding does not count
+        x = self.emb_drop(self.embed(idx, positions))  # (B, T, C)
+        rope = self.rope.cos_sin(positions, x.dtype) if self.rope is not None else None  # (B, 1, T, D) x 2
         recompute = self.config.activation_checkpointing and torch.is_grad_enabled()  # keep block inputs only
         for block in self.blocks:
-            run = partial(checkpoint, block, use_reentrant=False) if recompute else block
-            x = run(x, rope=rope, key_padding_mask=key_padding_mask, cache=cache)
-        if cache is not None:
-            cache.advance(keep)
+            x = checkpoint(block, x, cache, rope, use_reentrant=False) if recompute else block(x, cache, rope)
         logits = self.lm_head(self.norm_f(x))  # (B, T, V)
-
-        loss = None
-        if targets is not None:
-            flat = targets.reshape(-1)
-            total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), flat,
-                                    ignore_index=-100, reduction="sum")
-            loss = total / (flat != -100).sum().clamp(min=1)  # mean over real targets; 0 if there are none
+        loss = None if targets is None else lm_loss(logits, targets)
         return logits, loss
 
-    def _check_inputs(self, idx, targets, attention_mask, position_ids, cache) -> tuple[int, int]:
+    def embed(self, idx, positions):
+        """Token embeddings plus, for learned or sinusoidal positions, the position's vector: (B, T, C)."""
+        x = self.tok_emb(idx)  # (B, T, C)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)
+        elif self.config.pos_emb == "sinusoidal":
+            x = x + self.sinusoid[positions]
+        return x
+
+    def check_inputs(self, idx, targets=None, attention_mask=None, cache=None) -> None:
+        """The door of `forward`: raise ValueError/TypeError naming the first bad argument."""
         cfg = self.config
-        B, T = check_token_ids(idx)
-        past = cache.length if cache is not None else 0
+        B, T = check_token_ids(idx, cfg.vocab_size)
+        past = cache.length if isinstance(cache, KVCache) else 0
         if past + T > cfg.max_seq_len:
             raise ValueError(
                 f"sequence length {past + T} (cached {past} + new {T}) exceeds max_seq_len={cfg.max_seq_len}"
             )
         if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
             cache.check_fits(cfg, B, T, self.tok_emb.weight.dtype)
-        for name, t in (("attention_mask", attention_mask), ("position_ids", position_ids), ("targets", targets)):
-            if t is None:
-                continue
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, T):
-                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{name} has shape {shape}, expected (B, T) = {(B, T)} like idx")
-        if targets is not None and targets.is_floating_point():
-            raise ValueError(f"targets must be an integer tensor, got dtype {targets.dtype}")
-        if position_ids is not None and position_ids.is_floating_point():
-            raise ValueError(f"position_ids must be an integer tensor, got dtype {position_ids.dtype}")
-        if not torch.compiler.is_compiling():  # reading values syncs and would split a compiled graph
-            self._check_values(idx, targets, position_ids)
-        return B, T
-
-    def _check_values(self, idx, targets, position_ids) -> None:
-        cfg = self.config
-        low, high = int(idx.min()), int(idx.max())
-        if low < 0 or high >= cfg.vocab_size:
-            bad = low if low < 0 else high
-            raise ValueError(f"idx contains token id {bad}, outside [0, vocab_size={cfg.vocab_size})")
+        if attention_mask is not None:
+            check_attention_mask(attention_mask, (B, T))
         if targets is not None:
+            if not isinstance(targets, torch.Tensor) or tuple(targets.shape) != (B, T):
+                shape = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
+                raise ValueError(f"targets has shape {shape}, expected (B, T) = {(B, T)} like idx")
+            if targets.is_floating_point():
+                raise ValueError(f"targets must be an integer tensor, got dtype {targets.dtype}")
             bad = (targets != -100) & ((targets < 0) | (targets >= cfg.vocab_size))
             if bool(bad.any()):
                 raise ValueError(f"targets contain id {int(targets[bad][0])}, expected [0, {cfg.vocab_size}) or -100")
-        if position_ids is not None and not 0 <= int(position_ids.min()) <= int(position_ids.max()) < cfg.max_seq_len:
-            raise ValueError(f"position_ids must be integers in [0, max_seq_len={cfg.max_seq_len})")
 
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> TransformerLM:

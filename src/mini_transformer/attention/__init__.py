@@ -16,10 +16,13 @@ from collections.abc import Callable
 import torch
 
 from .mask import build_mask, causal_mask
+from .naive import naive_attention
+from .sdpa import sdpa_attention
+from .tiled import tiled_attention
 
 BACKENDS = ("naive", "sdpa", "tiled", "triton")
 
-__all__ = ["BACKENDS", "attention", "build_mask", "causal_mask", "check_attention_inputs"]
+__all__ = ["BACKENDS", "attention", "build_mask", "causal_mask", "check_attention_inputs", "get_backend"]
 
 
 def check_attention_inputs(q, k, v, key_padding_mask, dropout_p) -> None:
@@ -54,20 +57,16 @@ def check_attention_inputs(q, k, v, key_padding_mask, dropout_p) -> None:
         raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
 
 
-def _backend(name: str) -> Callable:
+def get_backend(name: str) -> Callable:
+    """The function behind `backend=name`; each takes (q, k, v, *, causal, key_padding_mask, dropout_p,
+    scale) and trusts its inputs (`attention()` checks them; the model resolves its backend once)."""
     if name == "naive":
-        from .naive import naive_attention
-
         return naive_attention
     if name == "sdpa":
-        from .sdpa import sdpa_attention
-
         return sdpa_attention
     if name == "tiled":
-        from .tiled import tiled_attention
-
         return tiled_attention
-    if name == "triton":
+    if name == "triton":  # imported on demand: it needs the triton package, and importing it is slow
         from .triton_flash import triton_attention
 
         return triton_attention
@@ -86,7 +85,7 @@ def attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v, computed by the chosen backend. Returns (B, H, Tq, D)."""
-    fn = _backend(backend)
+    fn = get_backend(backend)
     check_attention_inputs(q, k, v, key_padding_mask, dropout_p)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
