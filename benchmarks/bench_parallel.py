@@ -11,7 +11,9 @@ Three tables, each with its reference measured in the same run:
      AdamW state counted from the tensors after one step (a DTensor counts its local shard), plus the
      process's peak resident memory (which also holds activations, DDP's buckets, the allocator's slack).
   3. Activation checkpointing on vs off, one process: extra peak memory of a training step with the
-     gradients already allocated (so the peak is activations and temporaries), and the step time.
+     gradients already allocated (so the peak is activations and temporaries), and the step time; for
+     GPT-2 small, whose logits and loss (B*T*V floats, several copies) checkpointing does not touch, and
+     for a char-vocabulary model where the blocks' activations are nearly all of it.
      Each mode runs in a fresh subprocess (peak RSS via /proc/self/clear_refs, as bench_attention.py;
      torch.cuda.max_memory_allocated on CUDA).
 Expert parallelism is not measured: the MoE layer is not in the model yet.
@@ -114,14 +116,14 @@ def bench_train_memory(args) -> list[dict]:
 
 
 # -------------------------------------------------------------------- 3. activation checkpointing
-def ac_case(args, checkpointing: bool) -> dict:
+def ac_case(args, preset: str, checkpointing: bool) -> dict:
     """One mode in this (fresh) process: extra peak memory of a step with gradients allocated, and its time."""
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)
-    cfg = model_config(args).replace(activation_checkpointing=checkpointing)
+    cfg = TransformerConfig.from_preset(preset, attn_backend="sdpa", activation_checkpointing=checkpointing)
     model = TransformerLM(cfg).to(device).train()
-    x = torch.randint(cfg.vocab_size, (args.batch, args.seq), device=device)
+    x = torch.randint(cfg.vocab_size, (args.batch, min(args.seq, cfg.max_seq_len)), device=device)
 
     def step():
         model(x, x)[1].backward()
@@ -149,16 +151,21 @@ def ac_case(args, checkpointing: bool) -> dict:
 
 
 def bench_checkpointing(args) -> list[dict]:
-    results = {}
-    for on in (False, True):
-        cmd = [sys.executable, __file__, "--ac-worker", str(int(on)), *sys.argv[1:]]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"activation checkpointing case {on} failed:\n{done.stderr[-2000:]}")
-        results[on] = json.loads(done.stdout.strip().splitlines()[-1])
-    off = results[False]
-    return [dict(setup="off" if not on else "on", peak_mb=r["peak_mb"], mem_ratio=r["peak_mb"] / off["peak_mb"],
-                 step_s=r["step_s"], time_ratio=r["step_s"] / off["step_s"]) for on, r in results.items()]
+    rows = []
+    for preset in args.ac_presets.split(","):
+        results = {}
+        for on in (False, True):
+            cmd = [sys.executable, __file__, "--ac-worker", f"{preset}:{int(on)}", *sys.argv[1:]]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"activation checkpointing case {preset} {on} failed:\n{done.stderr[-2000:]}")
+            results[on] = json.loads(done.stdout.strip().splitlines()[-1])
+        off = results[False]
+        rows += [dict(setup=f"{preset}, {'on' if on else 'off'}", peak_mb=r["peak_mb"],
+                      mem_ratio=r["peak_mb"] / off["peak_mb"], step_s=r["step_s"],
+                      time_ratio=r["step_s"] / off["step_s"])
+                 for on, r in results.items()]
+    return rows
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -185,8 +192,8 @@ def plot(tp_rows, train_rows, ac_rows, path: Path) -> None:
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     axes[1].set_title("training state per rank (MB)")
     axes[1].legend()
-    axes[2].bar([f"checkpointing {r['setup']}" for r in ac_rows], [r["peak_mb"] for r in ac_rows], color="tab:purple")
-    axes[2].set_title("extra peak memory of a step (MB)")
+    axes[2].bar([r["setup"] for r in ac_rows], [r["peak_mb"] for r in ac_rows], color="tab:purple")
+    axes[2].set_title("checkpointing: extra peak memory of a step (MB)")
     for ax in axes:
         ax.tick_params(axis="x", labelsize=8, rotation=15)
     fig.tight_layout()
@@ -208,28 +215,38 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="checkpointing only (cpu or cuda)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--plot", action="store_true", help="write out/parallel.png")
-    p.add_argument("--ac-worker", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ac-presets", default="gpt2-small,llama-style", help="checkpointing: models, comma-separated")
+    p.add_argument("--only", default="tp,train,ac", help="which tables: tp, train, ac (comma-separated)")
+    p.add_argument("--ac-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # tables appear as they are measured, even into a file
     if args.quick:
         args.preset = "shakespeare-char"
         args.seq = min(args.seq, 64)
+        args.ac_presets = "shakespeare-char"
     if args.ac_worker is not None:
-        print(json.dumps(ac_case(args, bool(args.ac_worker))))
+        preset, on = args.ac_worker.split(":")
+        print(json.dumps(ac_case(args, preset, on == "1")))
         return
     print(f"load before: {os.getloadavg()}; preset {args.preset}, {args.threads} thread(s) per process")
-    tp_rows = bench_tp(args)
-    print("\n" + table(tp_rows, dict(setup="setup", weights_mb="weights MB", ratio="x one process",
+    only = set(args.only.split(","))
+    tp_rows, train_rows, ac_rows = [], [], []
+    if "tp" in only:
+        tp_rows = bench_tp(args)
+        print("\n" + table(tp_rows, dict(setup="setup", weights_mb="weights MB", ratio="x one process",
                                        kb_token="collective KB/token", formula_kb="formula KB/token",
                                        tok_s="decode tok/s")))
-    train_rows = bench_train_memory(args)
-    print("\n" + table(train_rows, dict(setup="setup", params_mb="params MB", grads_mb="grads MB",
+    if "train" in only:
+        train_rows = bench_train_memory(args)
+        print("\n" + table(train_rows, dict(setup="setup", params_mb="params MB", grads_mb="grads MB",
                                           optim_mb="AdamW MB", total_mb="total MB", params_ratio="params x one",
                                           total_ratio="total x one", rss_mb="peak RSS MB", step_s="step s")))
-    ac_rows = bench_checkpointing(args)
-    print("\n" + table(ac_rows, dict(setup="checkpointing", peak_mb="extra peak MB", mem_ratio="x off",
+    if "ac" in only:
+        ac_rows = bench_checkpointing(args)
+        print("\n" + table(ac_rows, dict(setup="checkpointing", peak_mb="extra peak MB", mem_ratio="x off",
                                        step_s="step s", time_ratio="time x off")))
     print(f"\nload after: {os.getloadavg()}")
-    if args.plot:
+    if args.plot and tp_rows and train_rows and ac_rows:
         plot(tp_rows, train_rows, ac_rows, Path("out") / "parallel.png")
 
 
