@@ -56,6 +56,8 @@ def tp_worker(rank: int, world_size: int, args, shard: bool) -> dict:
         shard_tensor_parallel(model)
     weights = local_bytes(model.parameters())  # a tied matrix counts once
     idx = torch.randint(model.config.vocab_size, (1, args.prompt))
+    if shard:
+        torch.distributed.barrier()  # start the clocks together: a rank that built its model first would wait
     start = time.perf_counter()
     new = generate(model, idx, args.new_tokens)  # 1 prefill of `prompt` tokens + new_tokens - 1 decode steps
     seconds = time.perf_counter() - start
