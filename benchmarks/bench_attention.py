@@ -3,6 +3,7 @@
     python benchmarks/bench_attention.py                    # T = 256 .. 8192, B=1, H=8, D=64, causal, fp32, CPU
     python benchmarks/bench_attention.py --quick --plot     # T = 256 .. 1024, fewer repeats, PNGs in out/
     python benchmarks/bench_attention.py --device cuda --dtype bf16 --plot   # adds triton and TFLOP/s
+    python benchmarks/bench_attention.py --device cuda --dtype bf16 --seq-lens 1024,4096,16384 --sdpa-kernel flash
 
 Every (backend, T, mode) case runs in a FRESH subprocess, so one case's allocations cannot hide in
 another's peak. Peak memory is the peak extra memory of the first call, inputs excluded:
@@ -10,6 +11,9 @@ another's peak. Peak memory is the peak extra memory of the first call, inputs e
     "5" to /proc/self/clear_refs just before the call; peak = VmHWM after the call - RSS before it.
     (Where clear_refs cannot be written, ru_maxrss is used instead, which includes start-up peaks.)
   * CUDA: torch.cuda.max_memory_allocated() after reset_peak_memory_stats(), minus the memory before.
+Time is the median over repeated calls: on the CPU a host clock around each call; on CUDA a pair of CUDA
+events around each call with no host synchronisation in between, so the GPU's time is measured, not the
+launch latency (--sdpa-kernel flash makes sdpa use PyTorch's flash kernel only, or fail saying why).
 A backend whose memory, extrapolated as T^2 from the last T it ran at (for naive's first T: counted
 as 3.2 live T x T matrices, as measured), would pass --mem-limit-gb is skipped at that T: naive at
 T=8192 needs about 6 GB, forward or forward+backward.
@@ -18,6 +22,7 @@ T=8192 needs about 6 GB, forward or forward+backward.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -69,15 +74,20 @@ def run_case(backend: str, T: int, mode: str, args) -> dict:
                    for _ in range(3))
         return q, k, v, torch.randn(B, H, T, D, device=device, dtype=dtype)
 
+    kernels = contextlib.nullcontext
+    if backend == "sdpa" and args.sdpa_kernel == "flash":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        kernels = lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)  # noqa: E731
+
     def step(q, k, v, grad_out):
-        if mode == "fwd":
-            with torch.no_grad():
-                attention(q, k, v, causal=True, backend=backend)
-        else:
-            attention(q, k, v, causal=True, backend=backend).backward(grad_out)
-            q.grad = k.grad = v.grad = None
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        with kernels():
+            if mode == "fwd":
+                with torch.no_grad():
+                    attention(q, k, v, causal=True, backend=backend)
+            else:
+                attention(q, k, v, causal=True, backend=backend).backward(grad_out)
+                q.grad = k.grad = v.grad = None
 
     step(*make(64))  # load kernels and libraries before measuring anything (and compile triton)
     inputs = make(T)
@@ -86,19 +96,44 @@ def run_case(backend: str, T: int, mode: str, args) -> dict:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         step(*inputs)
+        torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
+        times = _cuda_times(step, inputs, args)
     else:
         before, reset = _rss_bytes(), _reset_peak_rss()
         step(*inputs)
         peak = _peak_rss_bytes(reset) - before
-    times = []
-    deadline = time.perf_counter() + args.seconds
-    while len(times) < args.min_repeats or (time.perf_counter() < deadline and len(times) < args.max_repeats):
+        times = _cpu_times(step, inputs, args)
+    return dict(backend=backend, T=T, mode=mode, ms=1e3 * statistics.median(times), peak_mb=max(peak, 0) / 2**20,
+                runs=len(times))
+
+
+def _keep_timing(count: int, deadline: float, args) -> bool:
+    return count < args.min_repeats or (time.perf_counter() < deadline and count < args.max_repeats)
+
+
+def _cpu_times(step, inputs, args) -> list[float]:
+    times, deadline = [], time.perf_counter() + args.seconds
+    while _keep_timing(len(times), deadline, args):
         start = time.perf_counter()
         step(*inputs)
         times.append(time.perf_counter() - start)
-    return dict(backend=backend, T=T, mode=mode, ms=1e3 * statistics.median(times), peak_mb=max(peak, 0) / 2**20,
-                runs=len(times))
+    return times
+
+
+def _cuda_times(step, inputs, args) -> list[float]:
+    """Seconds per call from CUDA events; the host queues calls ahead and synchronises once at the end."""
+    import torch
+
+    pairs, deadline = [], time.perf_counter() + args.seconds
+    while _keep_timing(len(pairs), deadline, args):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(*inputs)
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) / 1e3 for start, end in pairs]
 
 
 # ---------------------------------------------------------------------------------- the parent
@@ -123,7 +158,7 @@ def spawn(backend: str, T: int, mode: str, args) -> dict:
 def sweep(args) -> list[dict]:
     from tqdm import tqdm
 
-    Ts = [T for T in (256, 512, 1024, 2048, 4096, 8192) if args.min_T <= T <= args.max_T]
+    Ts = args.seq_lens or [T for T in (256, 512, 1024, 2048, 4096, 8192) if args.min_T <= T <= args.max_T]
     cases = [(mode, T, b) for mode in MODES for T in Ts for b in args.backends]
     results, last_peak = [], {}
     for mode, T, backend in tqdm(cases, desc="attention cases", unit="case"):
@@ -143,14 +178,23 @@ def sweep(args) -> list[dict]:
             if args.device == "cuda":
                 row["tflops"] = causal_flops(T, mode, args) / (row["ms"] / 1e3) / 1e12
         results.append(row)
+        save_json(results, args)  # after every case, so that a run stopped halfway still leaves its rows
     return results
+
+
+def save_json(results: list[dict], args) -> None:
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 def print_table(results: list[dict], args) -> None:
     naive = {(r["mode"], r["T"]): r for r in results if r["backend"] == "naive" and "ms" in r}
     cols = f"{'mode':8} {'T':>5} {'backend':8} {'time ms':>10} {'x naive':>8} {'peak MB':>10} {'x naive':>8}"
     print(f"\nB={args.batch} H={args.heads} D={args.head_dim} causal {args.dtype} on {args.device}, "
-          f"{args.threads} thread(s); 'x naive' = this / naive (lower is better)")
+          f"{args.threads} thread(s); 'x naive' = this / naive (lower is better)"
+          + ("; sdpa = its flash kernel" if args.sdpa_kernel == "flash" else ""))
     print(cols + ("  TFLOP/s" if args.device == "cuda" else ""))
     print("-" * (len(cols) + (9 if args.device == "cuda" else 0)))
     for r in results:
@@ -201,6 +245,10 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--min-T", type=int, default=256)
     p.add_argument("--max-T", type=int, default=8192)
+    p.add_argument("--seq-lens", default=None, help="comma list of T to run instead of the powers of two "
+                   "from --min-T to --max-T, e.g. 1024,4096,16384")
+    p.add_argument("--sdpa-kernel", default="auto", choices=["auto", "flash"],
+                   help="auto: PyTorch picks; flash: its flash kernel only (CUDA fp16/bf16)")
     p.add_argument("--backends", default=None, help="comma list; default naive,sdpa,tiled (+triton on cuda)")
     p.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1), help="torch CPU threads")
     p.add_argument("--seconds", type=float, default=2.0, help="time budget for the timed repeats of one case")
@@ -224,10 +272,17 @@ def parse_args(argv=None):
             p.error(f"{name}={value} must be a positive integer")
     if args.min_T > args.max_T:
         p.error(f"--min-T={args.min_T} is larger than --max-T={args.max_T}")
+    if args.seq_lens is not None:
+        try:
+            args.seq_lens = [int(T) for T in args.seq_lens.split(",")]
+        except ValueError:
+            p.error(f"--seq-lens={args.seq_lens} must be a comma list of integers")
+        if any(T <= 0 for T in args.seq_lens):
+            p.error(f"--seq-lens={args.seq_lens} must be positive integers")
     args.passthrough = [f"--device={args.device}", f"--dtype={args.dtype}", f"--batch={args.batch}",
                         f"--heads={args.heads}", f"--head-dim={args.head_dim}", f"--threads={args.threads}",
                         f"--seconds={args.seconds}", f"--min-repeats={args.min_repeats}",
-                        f"--max-repeats={args.max_repeats}"]
+                        f"--max-repeats={args.max_repeats}", f"--sdpa-kernel={args.sdpa_kernel}"]
     return args
 
 
@@ -239,9 +294,7 @@ def main(argv=None) -> None:
         return
     results = sweep(args)
     print_table(results, args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    save_json(results, args)
     if args.plot:
         plot(results, args)
 

@@ -2,6 +2,8 @@
 
 The triton backend runs here under the Triton interpreter (conftest sets TRITON_INTERPRET=1), so its
 cases use small shapes and tiles of 16-32 rows; it has no float64, so it is compared in float32.
+The tests that take a `device` also run on CUDA when there is a GPU; the compiled triton kernels run
+there only with TRITON_INTERPRET=0 (`pytest -k cuda` under benchmarks/gpu_check.py does that).
 """
 
 from __future__ import annotations
@@ -23,13 +25,23 @@ from mini_transformer.attention.tiled import key_block_ranges, tiled_attention, 
 from mini_transformer.kv_cache import KVCache
 
 BACKENDS = ["sdpa", "tiled", "triton"]
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2}
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 
 
 @pytest.fixture(autouse=True)
 def _need_triton(request):
-    if "triton" in request.node.name:  # CI has triton (it comes with torch on Linux); skip where it does not
-        pytest.importorskip("triton")
+    if "triton" not in request.node.name:
+        return
+    pytest.importorskip("triton")  # CI has triton (it comes with torch on Linux); skip where it does not
+    from mini_transformer.attention.triton_flash import _kernels_are_interpreted
+
+    device = getattr(request.node, "callspec", None) and request.node.callspec.params.get("device")
+    if device == "cuda" and _kernels_are_interpreted():
+        pytest.skip("TRITON_INTERPRET=1 would run the kernels in the interpreter, not on the GPU: "
+                    "run with TRITON_INTERPRET=0")
+    if device == "cpu" and not _kernels_are_interpreted():
+        pytest.skip("triton runs on CPU tensors only under TRITON_INTERPRET=1")
 
 
 def dtype_for(backend: str) -> torch.dtype:
@@ -50,11 +62,11 @@ def call(backend, q, k, v, *, causal=True, keep=None, block=16):
     return attention(q, k, v, causal=causal, key_padding_mask=keep, backend=backend)
 
 
-def make_inputs(B, H, Hkv, Tq, Tk, D, dtype):
-    q = torch.randn(B, H, Tq, D, dtype=dtype)
-    k = torch.randn(B, Hkv, Tk, D, dtype=dtype)
-    v = torch.randn(B, Hkv, Tk, D, dtype=dtype)
-    grad_out = torch.randn(B, H, Tq, D, dtype=dtype)
+def make_inputs(B, H, Hkv, Tq, Tk, D, dtype, device="cpu"):
+    q = torch.randn(B, H, Tq, D, dtype=dtype, device=device)
+    k = torch.randn(B, Hkv, Tk, D, dtype=dtype, device=device)
+    v = torch.randn(B, Hkv, Tk, D, dtype=dtype, device=device)
+    grad_out = torch.randn(B, H, Tq, D, dtype=dtype, device=device)
     return q, k, v, grad_out
 
 
@@ -81,26 +93,29 @@ def check_against_naive(backend, q, k, v, grad_out, *, causal, keep, block=16, t
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("T", [1, 7, 64, 100, 257])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_matches_naive_with_padding_and_gqa(backend, T, causal):
-    q, k, v, grad_out = make_inputs(2, 2, 1, T, T, 16, dtype_for(backend))
-    keep = torch.ones(2, T, dtype=torch.bool)
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_naive_with_padding_and_gqa(device, backend, T, causal):
+    q, k, v, grad_out = make_inputs(2, 2, 1, T, T, 16, dtype_for(backend), device)
+    keep = torch.ones(2, T, dtype=torch.bool, device=device)
     keep[1, : T // 3] = False  # left padding on the second row
     check_against_naive(backend, q, k, v, grad_out, causal=causal, keep=keep, block=16 if T < 100 else 64)
 
 
 @pytest.mark.parametrize("Tq", [1, 3])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_few_queries_at_the_end_of_long_keys(backend, Tq):
+@pytest.mark.parametrize("device", DEVICES)
+def test_few_queries_at_the_end_of_long_keys(device, backend, Tq):
     """Cached decode: Tq new queries against Tk = 300 keys, the queries sitting at positions Tk - Tq ..."""
-    q, k, v, grad_out = make_inputs(2, 4, 2, Tq, 300, 16, dtype_for(backend))
-    keep = torch.rand(2, 300) > 0.2
+    q, k, v, grad_out = make_inputs(2, 4, 2, Tq, 300, 16, dtype_for(backend), device)
+    keep = torch.rand(2, 300, device=device) > 0.2
     check_against_naive(backend, q, k, v, grad_out, causal=True, keep=keep, block=32)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rows_without_any_key_give_zeros_not_nan(backend):
-    q, k, v, grad_out = make_inputs(3, 2, 2, 20, 20, 16, dtype_for(backend))
-    keep = torch.ones(3, 20, dtype=torch.bool)
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_without_any_key_give_zeros_not_nan(device, backend):
+    q, k, v, grad_out = make_inputs(3, 2, 2, 20, 20, 16, dtype_for(backend), device)
+    keep = torch.ones(3, 20, dtype=torch.bool, device=device)
     keep[1] = False  # a row that is all padding
     keep[2, :5] = False  # left padding: causal queries 0..4 see only padding
     out, dq, dk, dv = check_against_naive(backend, q, k, v, grad_out, causal=True, keep=keep)
@@ -111,24 +126,36 @@ def test_rows_without_any_key_give_zeros_not_nan(backend):
 
 @pytest.mark.parametrize("n_kv_heads", [1, 2, 4])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_grouped_query_heads(backend, n_kv_heads):
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_query_heads(device, backend, n_kv_heads):
     """MQA (1 kv head), GQA (2) and plain multi-head (4) for 4 query heads."""
-    q, k, v, grad_out = make_inputs(1, 4, n_kv_heads, 40, 40, 16, dtype_for(backend))
+    q, k, v, grad_out = make_inputs(1, 4, n_kv_heads, 40, 40, 16, dtype_for(backend), device)
     check_against_naive(backend, q, k, v, grad_out, causal=True, keep=None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_half_precision(backend, dtype):
-    if backend == "triton" and dtype == torch.bfloat16:
+@pytest.mark.parametrize("device", DEVICES)
+def test_half_precision(device, backend, dtype):
+    if backend == "triton" and dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("bf16 tl.dot gives wrong results under the Triton interpreter (TRITON_INTERPRET=1); "
                     "on a GPU bf16 goes through the same kernel as fp16")
-    q, k, v, grad_out = make_inputs(2, 2, 1, 64, 64, 32, dtype)
-    keep = torch.ones(2, 64, dtype=torch.bool)
+    q, k, v, grad_out = make_inputs(2, 2, 1, 64, 64, 32, dtype, device)
+    keep = torch.ones(2, 64, dtype=torch.bool, device=device)
     keep[0, :10] = False
     # bf16 keeps 8 bits of mantissa (fp16 keeps 11): its results are rounded 8x more coarsely
-    check_against_naive(backend, q, k, v, grad_out, causal=True, keep=keep, block=32,
-                        tol=1e-2 if dtype == torch.float16 else 4e-2)
+    check_against_naive(backend, q, k, v, grad_out, causal=True, keep=keep, block=32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_at_head_dim_64(device, backend):
+    """float32 inputs for every backend (the other tests give sdpa and tiled float64): on a GPU this is
+    where TF32 tensor-core rounding (~1e-3) would show; all three must stay IEEE float32 (<= 1e-5)."""
+    q, k, v, grad_out = make_inputs(2, 4, 2, 96, 96, 64, torch.float32, device)
+    keep = torch.ones(2, 96, dtype=torch.bool, device=device)
+    keep[1, :20] = False
+    check_against_naive(backend, q, k, v, grad_out, causal=True, keep=keep, block=32)
 
 
 def random_case(min_d):
@@ -139,7 +166,8 @@ def random_case(min_d):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_random_shapes(backend):
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_shapes(device, backend):
     examples = 5 if backend == "triton" else 25
 
     @settings(max_examples=examples, deadline=None, derandomize=True)
@@ -148,20 +176,22 @@ def test_random_shapes(backend):
         B, Hkv, G, Tk, Tq, D, causal, padding = case
         Tq = min(Tq, Tk)
         torch.manual_seed(seed)
-        q, k, v, grad_out = make_inputs(B, Hkv * G, Hkv, Tq, Tk, D, dtype_for(backend))
+        q, k, v, grad_out = make_inputs(B, Hkv * G, Hkv, Tq, Tk, D, dtype_for(backend), device)
         keep = None
         if padding:  # 1: random holes, 2: left padding with a random length per row
             keep = torch.rand(B, Tk) > 0.3 if padding == 1 else \
                 torch.arange(Tk)[None, :] >= torch.randint(0, Tk + 1, (B, 1))
+            keep = keep.to(device)
         check_against_naive(backend, q, k, v, grad_out, causal=causal, keep=keep)
 
     check()
 
 
 @pytest.mark.parametrize("backend", ["tiled", "triton"])
-def test_key_blocks_above_the_diagonal_are_never_read(backend):
+@pytest.mark.parametrize("device", DEVICES)
+def test_key_blocks_above_the_diagonal_are_never_read(device, backend):
     """Poison the values of keys 64..127 with NaN: queries 0..63 (two 32-row blocks) must not touch them."""
-    q, k, v, _ = make_inputs(1, 2, 2, 128, 128, 16, torch.float32)
+    q, k, v, _ = make_inputs(1, 2, 2, 128, 128, 16, torch.float32, device)
     v[:, :, 64:] = float("nan")
     out = call(backend, q, k, v, causal=True, block=32)
     want = attention(q[:, :, :64], k[:, :, :64], v[:, :, :64], causal=True, backend="naive")
@@ -213,10 +243,11 @@ def model_pair(backend: str, **overrides):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_model_training_step_matches_naive(backend):
-    reference, model = model_pair(backend)
-    idx = torch.randint(0, 100, (2, 24))
-    mask = torch.ones(2, 24, dtype=torch.long)
+@pytest.mark.parametrize("device", DEVICES)
+def test_model_training_step_matches_naive(device, backend):
+    reference, model = (m.to(device) for m in model_pair(backend))
+    idx = torch.randint(0, 100, (2, 24), device=device)
+    mask = torch.ones(2, 24, dtype=torch.long, device=device)
     mask[1, :6] = 0  # left padding
     targets = idx.masked_fill(mask == 0, -100)
     logits_ref, loss_ref = reference(idx, targets, attention_mask=mask)

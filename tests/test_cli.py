@@ -84,3 +84,43 @@ def test_bench_runs_the_script_with_its_arguments(capsys):
 def test_bench_rejects_unknown_names():
     with pytest.raises(SystemExit):
         main(["bench", "nothing"])
+
+
+# ---- MoE: total vs active parameters, and the router in the trace ---------------------------------
+
+
+def test_moe_active_parameters_match_mixtral_and_qwen3_moe_published_counts():
+    """Mixtral-8x7B: 46.7B parameters, 12.9B active; Qwen3-30B-A3B: 30.5B, 3.3B active (their model cards)."""
+    from mini_transformer.info import active_parameters
+
+    mixtral = TransformerConfig.from_preset("moe-tiny", vocab_size=32000, d_model=4096, n_heads=32, n_kv_heads=8,
+                                            n_layer=32, d_ff=14336, n_experts=8, n_experts_per_tok=2)
+    groups = count_parameters(mixtral)
+    assert round(sum(groups.values()) / 1e9, 1) == 46.7
+    assert round(active_parameters(mixtral, groups) / 1e9, 1) == 12.9
+    qwen = TransformerConfig.from_preset("moe-tiny", vocab_size=151936, d_model=2048, n_heads=32, head_dim=128,
+                                         n_kv_heads=4, n_layer=48, d_ff=768, n_experts=128, n_experts_per_tok=8,
+                                         qk_norm=True)
+    groups = count_parameters(qwen)
+    assert round(sum(groups.values()) / 1e9, 1) == 30.5
+    assert 3.3e9 <= active_parameters(qwen, groups) < 3.4e9  # the card truncates: 3.35B -> "3.3B"
+
+
+def test_info_moe_splits_router_experts_and_shared_expert(capsys):
+    assert main(["info", "--preset", "moe-tiny", "--set", "moe_shared_expert_size=32"]) == 0
+    out = capsys.readouterr().out
+    experts = 2 * 4 * 3 * 64 * 128  # layers * experts * (gate, up, down) * C * d_ff
+    for name, count in (("ffn experts", experts), ("ffn router", 2 * 4 * 64), ("ffn shared expert", 2 * 3 * 64 * 32)):
+        assert f"{name:<22}{count:>16,}" in out
+    assert "active per token" in out and "one expert" in out and "expert memory" in out
+
+
+def test_trace_moe_shows_router_top_k_and_counts():
+    out = trace(TransformerConfig.from_preset("moe-tiny"), batch_size=2, seq_len=8)
+    for line in ["router logits", "(16, 4)", "top-2 experts", "(16, 2)", "tokens per expert", "(32, 128)"]:
+        assert line in out
+    counts_lines = [line for line in out.splitlines() if "tokens per expert" in line]
+    assert len(counts_lines) == 2  # one per layer
+    for line in counts_lines:
+        counts = line.split("[")[1].split("]")[0]
+        assert sum(int(c) for c in counts.split(",")) == 16 * 2  # every token reached k experts

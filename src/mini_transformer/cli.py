@@ -72,9 +72,12 @@ def _run_trace(args) -> None:
 
 # --------------------------------------------------------------------------------------- sample
 def _add_sample(sub) -> None:
-    p = sub.add_parser("sample", help="continue a prompt with a trained checkpoint, streaming the text")
+    p = sub.add_parser("sample", help="continue prompts with a trained checkpoint (one streams; several run "
+                                      "through the serving engine)")
     p.add_argument("--checkpoint", required=True, help="our checkpoint dir or a Hugging Face GPT-2/Llama dir")
-    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--prompt", action="append", default=[],
+                   help="text to continue; repeat it for several prompts (they run as one engine batch)")
+    p.add_argument("--prompts-file", help="a text file with one prompt per line (empty lines skipped)")
     p.add_argument("--max-new-tokens", type=int, default=200,
                    help="tokens to generate; past the model's context the window slides")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -123,29 +126,70 @@ def _run_sample(args) -> None:
     from .tokenizer import load_tokenizer
     from .transformer import TransformerLM
 
-    tokenizer = load_tokenizer(args.checkpoint)
-    model = TransformerLM.from_pretrained(args.checkpoint, device=args.device)
-    out = sys.stdout
-    if args.tensor_parallel:  # every rank runs the same loop on its shard; only rank 0 prints
-        from .parallel.tp import shard_for_command_line
-
-        out = shard_for_command_line(model, args.device)
-    prompt_ids = tokenizer.encode(args.prompt)
-    if not prompt_ids:
-        raise ValueError("--prompt is empty; give at least one character of text to continue")
-    idx = torch.tensor([prompt_ids], dtype=torch.long, device=args.device)  # (1, T)
-    stream = _TextStream(tokenizer, out, args.prompt)
+    prompts = _read_prompts(args)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens: max_new_tokens={args.max_new_tokens} must be a positive integer")
     params = SamplingParams(
         max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
     )
+    tokenizer = load_tokenizer(args.checkpoint)
+    model = TransformerLM.from_pretrained(args.checkpoint, device=args.device)
+    out = sys.stdout
+    if args.tensor_parallel:  # every rank runs the same loop on its shard; only rank 0 prints
+        if len(prompts) > 1:
+            raise ValueError("--tensor-parallel continues one --prompt (several go through the engine, one process)")
+        from .parallel.tp import shard_for_command_line
+
+        out = shard_for_command_line(model, args.device)
+    if len(prompts) > 1:
+        _sample_with_engine(model, tokenizer, prompts, params)
+        return
+    prompt_ids = tokenizer.encode(prompts[0])
+    if not prompt_ids:
+        raise ValueError("--prompt is empty; give at least one character of text to continue")
+    idx = torch.tensor([prompt_ids], dtype=torch.long, device=args.device)  # (1, T)
+    stream = _TextStream(tokenizer, out, prompts[0])
     # past max_seq_len generate_long slides the context window (re-prefilling its second half)
     generate_long(model, idx, params, eos_token_id=tokenizer.eos_token_id, use_cache=not args.no_cache,
                   stream=stream)
     stream.flush()
     out.write("\n")
+
+
+def _read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        try:
+            text = Path(args.prompts_file).read_text(encoding="utf-8")
+        except OSError as err:
+            raise ValueError(f"--prompts-file {args.prompts_file!r} cannot be read: {err.strerror}") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("give a prompt: --prompt TEXT (repeat it for several) or --prompts-file FILE")
+    return prompts
+
+
+def _sample_with_engine(model, tokenizer, prompts: list[str], params) -> None:
+    """Several prompts as one batch of requests in the serving engine; each prompt gets its own seed
+    (seed + i), so a completion does not depend on the others. The completions print in prompt order."""
+    from .engine import LLMEngine
+
+    context = model.config.max_seq_len
+    ids, per_prompt = [], []
+    for i, prompt in enumerate(prompts):
+        prompt_ids = tokenizer.encode(prompt)
+        if not prompt_ids or len(prompt_ids) >= context:
+            raise ValueError(f"prompt {i + 1} ({prompt[:40]!r}) encodes to {len(prompt_ids)} tokens; the engine "
+                             f"needs 1 to {context - 1} (the model's max_seq_len is {context})")
+        room = min(params.max_tokens, context - len(prompt_ids))  # the engine does not slide past the context
+        seed = None if params.seed is None else params.seed + i
+        ids.append(prompt_ids)
+        per_prompt.append(dataclasses.replace(params, max_tokens=room, seed=seed))
+    engine = LLMEngine(model, eos_token_id=tokenizer.eos_token_id, max_num_seqs=max(1, len(prompts)))
+    for prompt, completion in zip(prompts, engine.generate(ids, per_prompt), strict=True):
+        sys.stdout.write(prompt + tokenizer.decode(completion) + "\n\n")
+    sys.stdout.flush()
 
 
 # ---------------------------------------------------------------------------------------- train
@@ -241,12 +285,12 @@ def _encodes(tokenizer, text: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------- bench
-BENCHMARKS = ("decode", "attention", "train")
+BENCHMARKS = ("decode", "attention", "train", "serving", "moe")
 
 
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="run a script of benchmarks/ (from a clone of the repository)")
-    p.add_argument("name", choices=BENCHMARKS, help="decode | attention | train")
+    p.add_argument("name", choices=BENCHMARKS, help=" | ".join(BENCHMARKS))
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="passed on to the script (see its --help)")
     p.set_defaults(func=_run_bench)
 

@@ -10,10 +10,12 @@ from typing import Literal, get_args
 PosEmb = Literal["learned", "rope", "sinusoidal", "none"]
 Norm = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]  # pre (GPT-2, Llama) | post (the 2017 paper)
-Ffn = Literal["gelu", "gelu_tanh", "relu", "swiglu"]
+Ffn = Literal["gelu", "gelu_tanh", "relu", "swiglu", "moe"]
+ExpertFfn = Literal["gelu", "gelu_tanh", "relu", "swiglu"]  # what each expert of an ffn="moe" layer is
 AttnBackend = Literal["naive", "sdpa", "tiled", "triton"]
 # the allowed values, read from the types above (one list to keep)
 POS_EMBS, NORMS, NORM_POSITIONS, FFNS, ATTN_BACKENDS = map(get_args, (PosEmb, Norm, NormPosition, Ffn, AttnBackend))
+EXPERT_FFNS = get_args(ExpertFfn)
 
 
 def llama_ffn_size(d_model: int, multiple_of: int) -> int:
@@ -100,6 +102,18 @@ class TransformerConfig(DictIO):
     tie_weights: bool = True
     attn_backend: AttnBackend = "naive"
     init_std: float | None = None  # None = sqrt(2 / (5 * d_model)), see small_init_std
+    # --- switches the model families of Hugging Face need (Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE) ---
+    head_dim: int | None = None  # None = d_model // n_heads; Qwen3 sets it apart (then W_o maps H*D -> C)
+    qkv_bias: bool | None = None  # bias on the q/k/v projection; None = follow `bias` (Qwen2: True, bias False)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, Qwen3-MoE)
+    # --- Mixture of Experts (ffn="moe"): d_ff is each expert's width ---
+    n_experts: int = 8
+    n_experts_per_tok: int = 2  # top-k
+    moe_expert_ffn: ExpertFfn = "swiglu"  # what each expert is
+    moe_norm_topk_prob: bool = True  # renormalise the k chosen probabilities to sum to 1 (Mixtral: yes)
+    moe_shared_expert_size: int = 0  # width of an always-on shared expert; 0 = none
+    moe_shared_expert_gate: bool = False  # scale the shared expert by sigmoid(w . x) (Qwen2-MoE)
+    moe_aux_loss_coef: float = 0.01  # load-balancing loss weight, added to the loss in training mode
     activation_checkpointing: bool = False  # training: keep block inputs only, recompute the rest in backward
 
     def __post_init__(self) -> None:
@@ -112,10 +126,14 @@ class TransformerConfig(DictIO):
         _check_choice("attn_backend", self.attn_backend, ATTN_BACKENDS)
         for name in ("attn_pdrop", "resid_pdrop", "embd_pdrop"):
             _check_probability(name, getattr(self, name))
-        for name in ("bias", "tie_weights", "activation_checkpointing"):
+        for name in ("bias", "tie_weights", "qk_norm", "moe_norm_topk_prob", "moe_shared_expert_gate",
+                     "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
-        if self.d_model % self.n_heads != 0:
+        self._check_family_and_moe_switches()
+        if self.head_dim is not None:
+            _check_positive_int("head_dim", self.head_dim)
+        elif self.d_model % self.n_heads != 0:
             raise ValueError(
                 f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
                 f"(each head gets d_model / n_heads dimensions)"
@@ -129,9 +147,8 @@ class TransformerConfig(DictIO):
                 f"(each key/value head serves a whole group of query heads)"
             )
         if self.d_ff is None:
-            self.d_ff = (
-                llama_ffn_size(self.d_model, self.ffn_multiple_of) if self.ffn == "swiglu" else 4 * self.d_model
-            )
+            gated = self.ffn == "swiglu" or (self.ffn == "moe" and self.moe_expert_ffn == "swiglu")
+            self.d_ff = llama_ffn_size(self.d_model, self.ffn_multiple_of) if gated else 4 * self.d_model
         _check_positive_int("d_ff", self.d_ff)
         if self.pos_emb == "rope" and self.d_head % 2 != 0:
             raise ValueError(f"pos_emb='rope' needs an even d_head, got d_head={self.d_head}")
@@ -144,9 +161,25 @@ class TransformerConfig(DictIO):
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"{name}={value!r} must be a positive number")
 
+    def _check_family_and_moe_switches(self) -> None:
+        if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
+            raise TypeError(f"qkv_bias={self.qkv_bias!r} must be a bool or None (None = follow `bias`)")
+        for name in ("n_experts", "n_experts_per_tok"):
+            _check_positive_int(name, getattr(self, name))
+        if self.n_experts_per_tok > self.n_experts:
+            raise ValueError(f"n_experts_per_tok={self.n_experts_per_tok} exceeds n_experts={self.n_experts}; "
+                             f"expected top-k <= the number of experts")
+        _check_choice("moe_expert_ffn", self.moe_expert_ffn, EXPERT_FFNS)
+        size = self.moe_shared_expert_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"moe_shared_expert_size={size!r} must be an integer >= 0 (0 = no shared expert)")
+        coef = self.moe_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, int | float) or not coef >= 0:
+            raise ValueError(f"moe_aux_loss_coef={coef!r} must be a number >= 0")
+
     @property
     def d_head(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> TransformerConfig:
@@ -177,6 +210,12 @@ PRESETS: dict[str, dict] = {
         vocab_size=256, d_model=384, n_heads=6, n_kv_heads=2, n_layer=6, max_seq_len=256,
         pos_emb="rope", norm="rmsnorm", norm_eps=1e-6, ffn="swiglu", ffn_multiple_of=64,
         bias=False, tie_weights=False, attn_backend="sdpa",
+    ),
+    # llama-tiny with a Mixture-of-Experts FFN (Mixtral's layout): 4 experts, each token uses 2.
+    "moe-tiny": dict(
+        vocab_size=100, d_model=64, n_heads=4, n_kv_heads=2, n_layer=2, max_seq_len=64,
+        pos_emb="rope", norm="rmsnorm", norm_eps=1e-6, ffn="moe", d_ff=128, n_experts=4, n_experts_per_tok=2,
+        bias=False, tie_weights=False,
     ),
     # nanoGPT's CPU "baby" Shakespeare run: trains in minutes on a laptop CPU.
     "shakespeare-char": dict(

@@ -20,7 +20,10 @@ from safetensors.torch import load_file
 from .config import TransformerConfig
 
 # architectures[0] in config.json -> our family name (model_type is the fallback when it is absent)
-ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
+ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
+                 # the families of hf_families.py (Llama's block plus named switches)
+                 "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 # Buffers that old GPT-2 checkpoints carry (the causal mask); they hold no learned values.
 GPT2_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
@@ -102,17 +105,23 @@ def llama_config(raw: dict, **overrides) -> TransformerConfig:
 
 def config_from_hf(raw: dict, **overrides) -> TransformerConfig:
     """Our TransformerConfig for a HF config.json dict. `overrides` change fields (e.g. attn_backend)."""
-    return {"gpt2": gpt2_config, "llama": llama_config}[hf_family(raw)](raw, **overrides)
+    family = hf_family(raw)
+    if family not in ("gpt2", "llama"):
+        from .hf_families import family_config
+
+        return family_config(raw, family, **overrides)
+    return {"gpt2": gpt2_config, "llama": llama_config}[family](raw, **overrides)
 
 
 @dataclass(frozen=True)
 class Rule:
     """Our tensor `target` is built from HF `sources`: one tensor (optionally transposed) or several
-    concatenated along dim 0 (Llama q, k, v -> W_qkv)."""
+    concatenated along dim 0 (Llama q, k, v -> W_qkv), or stacked along a new dim 0 (MoE experts)."""
 
     target: str
     sources: tuple[str, ...]
     transpose: bool = False
+    stack: bool = False
 
 
 def gpt2_rules(cfg: TransformerConfig) -> list[Rule]:
@@ -148,6 +157,8 @@ def source_shapes(rule: Rule, target_shape: tuple[int, ...], cfg: TransformerCon
     """The shape each HF source tensor must have to build a target of `target_shape`."""
     if rule.transpose:
         return [tuple(reversed(target_shape))]
+    if rule.stack:
+        return [target_shape[1:]] * len(rule.sources)
     if len(rule.sources) == 1:
         return [target_shape]
     q_rows, kv_rows = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head  # W_qkv rows: q, then k, then v
@@ -174,7 +185,12 @@ def convert_hf_state(
     def in_file(name: str) -> str:  # the name as the checkpoint file spells it, for error messages
         return file_names.get(name, name if name == "lm_head.weight" else prefix + name)
 
-    rules = gpt2_rules(cfg) if family == "gpt2" else llama_rules(cfg)
+    if family in ("gpt2", "llama"):
+        rules = gpt2_rules(cfg) if family == "gpt2" else llama_rules(cfg)
+    else:
+        from .hf_families import family_rules
+
+        rules = family_rules(cfg, family)
     if cfg.tie_weights:
         state.pop("lm_head.weight", None)  # some files repeat the tied head; the embedding is the source
     else:
@@ -200,7 +216,7 @@ def convert_hf_state(
     converted = {}
     for rule in rules:
         parts = [state[name] for name in rule.sources]
-        tensor = parts[0].t() if rule.transpose else torch.cat(parts, dim=0)
+        tensor = parts[0].t() if rule.transpose else torch.stack(parts) if rule.stack else torch.cat(parts, dim=0)
         converted[rule.target] = tensor.contiguous()
     return converted
 

@@ -64,4 +64,8 @@ class SwiGLU(nn.Module):
 
 
 def make_ffn(cfg: TransformerConfig) -> nn.Module:
+    if cfg.ffn == "moe":
+        from .moe import MoE  # moe.py builds on the FFNs above
+
+        return MoE(cfg)
     return SwiGLU(cfg) if cfg.ffn == "swiglu" else MLP(cfg)

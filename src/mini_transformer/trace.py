@@ -10,6 +10,7 @@ import torch
 from .attention.mask import build_mask
 from .attention.naive import attention_scores, attention_weights
 from .config import TransformerConfig
+from .moe import MoE, route, tokens_per_expert
 from .transformer import Attend, TransformerLM
 
 
@@ -38,9 +39,12 @@ class ShapeRecorder:
             self._hook_attend(block.attn.attend, cfg)
             self._hook(block.attn.W_o, 1, "W_o: heads joined, projected", "(B, T, C): attention out")
             self._hook(block.norm_2, 1, f"norm_2 ({cfg.norm})", "")
-            first = getattr(block.ffn, "fc1", None) or getattr(block.ffn, "w_up", None)
-            self._hook(first, 1, f"ffn up-projection ({cfg.ffn})", "(B, T, d_ff)")
-            self._hook(block.ffn, 1, "ffn out", "(B, T, C)")
+            if isinstance(block.ffn, MoE):
+                self._hook_moe(block.ffn, cfg)
+            else:
+                first = getattr(block.ffn, "fc1", None) or getattr(block.ffn, "w_up", None)
+                self._hook(first, 1, f"ffn up-projection ({cfg.ffn})", "(B, T, d_ff)")
+                self._hook(block.ffn, 1, "ffn out", "(B, T, C)")
             self._hook(block, 1, "block out (residual stream)", "(B, T, C)")
         self._hook(model.norm_f, 0, f"final norm ({cfg.norm})", "(B, T, C)")
         self._hook(model.lm_head, 0, "lm_head -> logits", "(B, T, V)")
@@ -72,6 +76,30 @@ class ShapeRecorder:
             ]
 
         self.handles.append(attend.register_forward_hook(record))
+
+    def _hook_moe(self, moe: MoE, cfg: TransformerConfig) -> None:
+        """The router, the top-k choice and how many tokens each expert got, read after the layer ran."""
+
+        def record(_module, _inputs, output):
+            logits = moe.router_logits  # (N, E)
+            N, E, k = logits.shape[0], logits.shape[1], cfg.n_experts_per_tok
+            weights, experts = route(logits, k, cfg.moe_norm_topk_prob)  # (N, k), (N, k)
+            counts = [int(c) for c in tokens_per_expert(logits, k).tolist()]
+            first = ", ".join(f"e{e}: {w:.2f}" for e, w in zip(experts[0].tolist(), weights[0].tolist(), strict=True))
+            shared = [(1, "shared expert (every token)", f"({N}, {cfg.d_model})", "added to the routed sum")] \
+                if cfg.moe_shared_expert_size else []
+            self.rows += [
+                (1, "ffn = MoE: tokens flattened", f"({N}, {cfg.d_model})", "(N, C), N = B*T tokens routed one by one"),
+                (1, "router logits = W_router x", _shape(logits), f"(N, E): a score for each of the {E} experts"),
+                (1, f"softmax, top-{k} experts", _shape(experts), f"(N, k); token 0 -> {first}"),
+                (1, "tokens per expert", f"[{', '.join(map(str, counts))}]",
+                 f"sum = N*k = {N * k}; fair share {N * k / E:g}"),
+                (1, "rows sorted by expert, grouped matmul", f"({N * k}, {cfg.d_ff})", "(N*k, d_ff): each expert once"),
+                *shared,
+                (1, "weighted rows added back to tokens", _shape(output), "(B, T, C): ffn out"),
+            ]
+
+        self.handles.append(moe.register_forward_hook(record))
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -12,7 +12,8 @@ from torch.utils.checkpoint import checkpoint
 from .attention import get_backend
 from .config import TransformerConfig
 from .kv_cache import Cache, KVCache, NoCache
-from .layers import make_ffn, make_norm
+from .layers import RMSNorm, make_ffn, make_norm
+from .moe import moe_aux_loss
 from .rope import RotaryEmbedding, apply_rope, sinusoidal_table
 
 
@@ -79,8 +80,12 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
-        self.W_qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head, bias=cfg.bias)
-        self.W_o = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        qkv_bias = cfg.bias if cfg.qkv_bias is None else cfg.qkv_bias
+        self.W_qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head, bias=qkv_bias)
+        self.W_o = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=cfg.bias)
+        # Qwen3: RMSNorm over each head's D dims of q and k keeps the scores' scale in check
+        self.q_norm = RMSNorm(cfg.d_head, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.d_head, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.attend = Attend(cfg.attn_backend, cfg.attn_pdrop)
 
     def forward(self, x, cache: Cache, rope=None):
@@ -89,11 +94,13 @@ class MultiHeadAttention(nn.Module):
         qkv = self.W_qkv(x)  # (B, T, (H + 2*Hkv) * D)
         qkv = qkv.view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # (B, H + 2*Hkv, T, D)
         q, k, v = qkv.split([H, Hkv, Hkv], dim=1)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:  # RoPE turns q and k by their positions; v carries content only
             cos, sin = rope  # (B, 1, T, D)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = cache.attend(self.layer_idx, q, k, v, self.attend)  # (B, H, T, D): keys kept, then attended
-        out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D): heads concatenated (C, or a TP shard)
+        out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D): heads concatenated again
         return self.W_o(out)
 
 
@@ -176,6 +183,8 @@ class TransformerLM(nn.Module):
             x = checkpoint(block, x, cache, rope, use_reentrant=False) if recompute else block(x, cache, rope)
         logits = self.lm_head(self.norm_f(x))  # (B, T, V)
         loss = None if targets is None else lm_loss(logits, targets)
+        if loss is not None and self.training and self.config.ffn == "moe" and self.config.moe_aux_loss_coef > 0:
+            loss = loss + self.config.moe_aux_loss_coef * moe_aux_loss(self, attention_mask)  # training only
         return logits, loss
 
     def embed(self, idx, positions):

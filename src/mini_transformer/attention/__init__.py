@@ -17,12 +17,14 @@ import torch
 
 from .mask import build_mask, causal_mask
 from .naive import naive_attention
+from .paged import PagedAttentionMetadata, paged_attention, write_kv
 from .sdpa import sdpa_attention
 from .tiled import tiled_attention
 
 BACKENDS = ("naive", "sdpa", "tiled", "triton")
 
-__all__ = ["BACKENDS", "attention", "build_mask", "causal_mask", "check_attention_inputs", "get_backend"]
+__all__ = ["BACKENDS", "PagedAttentionMetadata", "attention", "build_mask", "causal_mask", "check_attention_inputs",
+           "get_backend", "paged_attention", "write_kv"]
 
 
 def check_attention_inputs(q, k, v, key_padding_mask, dropout_p) -> None:

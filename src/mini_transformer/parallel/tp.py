@@ -117,6 +117,9 @@ def check_divisible(cfg: TransformerConfig, world_size: int) -> None:
     """Raise ValueError unless heads, kv heads and the FFN width split evenly over `world_size`."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer")
+    if cfg.ffn == "moe":
+        raise ValueError("tensor parallelism splits dense FFNs; an MoE model (ffn='moe') splits its experts "
+                         "instead (parallel/ep.py: shard_expert_parallel)")
     for name in ("n_heads", "n_kv_heads", "d_ff"):
         value = getattr(cfg, name)
         if value % world_size != 0:

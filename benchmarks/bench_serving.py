@@ -1,0 +1,255 @@
+"""What does the serving engine buy? Output tokens/s, forward passes and KV memory, three ways, one run.
+
+nano-vllm's bench.py, sized for a small CPU: a Llama-style model (GQA, 6 layers, d_model 384, random
+weights), N requests whose prompt and output lengths are uniform in [16, 256], ignore_eos, greedy.
+
+  one-at-a-time  generate() on each request alone (a KV cache sized to the request)
+  static         generate() on left-padded batches of 8 in arrival order: a batch runs until its longest
+                 output is done, and its cache is (8, longest prompt + longest output) from the start
+  engine         LLMEngine: every request added at once; continuous batching over a paged pool
+
+KV memory: the share of reserved KV slots that hold no real token, averaged over the decode steps
+(static: the slab; engine: the blocks in use). Then a prefix workload: 32 requests sharing one 256-token
+prefix with different 16-token suffixes, all added at once: prompt tokens computed with prefix caching
+on vs off, and time to first token of one more request with the prefix cached (warm) vs not (cold).
+
+    python benchmarks/bench_serving.py                              # the full run (minutes on 2 cores)
+    python benchmarks/bench_serving.py --quick                      # a quick look (16 requests of 16-64 tokens)
+    python benchmarks/bench_serving.py --plot pool.png              # the block pool over time
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
+from mini_transformer.engine import LLMEngine
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--min-len", type=int, default=16, help="shortest prompt and output")
+    p.add_argument("--max-len", type=int, default=256, help="longest prompt and output")
+    p.add_argument("--static-batch", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--prefix-requests", type=int, default=32)
+    p.add_argument("--prefix-len", type=int, default=256)
+    p.add_argument("--suffix-len", type=int, default=16)
+    p.add_argument("--prefix-output", type=int, default=16, help="tokens generated per prefix request")
+    p.add_argument("--ways", nargs="+", default=["one-at-a-time", "static", "engine"],
+                   choices=["one-at-a-time", "static", "engine"], help="engine is always run")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads for every way (1: on a shared, busy machine more threads only contend)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--plot", metavar="PNG", help="draw the block pool over time to this PNG")
+    p.add_argument("--quick", action="store_true",
+                   help="a small run (16 requests of 16-64 tokens, 8 prefix requests on a 64-token prefix)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.requests, args.max_len, args.prefix_requests, args.prefix_len = 16, 64, 8, 64
+    return args
+
+
+def build_model(args) -> TransformerLM:
+    cfg = TransformerConfig.from_preset(
+        "llama-style", max_seq_len=max(2 * args.max_len, args.prefix_len + args.suffix_len + args.prefix_output))
+    torch.manual_seed(args.seed)
+    return TransformerLM(cfg).to(args.device).eval()
+
+
+class ForwardCounter:
+    def __init__(self, model):
+        self.calls = 0
+        model.register_forward_hook(self._hook)
+
+    def _hook(self, *_):
+        self.calls += 1
+
+
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def one_at_a_time(model, prompts, out_lens, device):
+    outputs, reserved, empty = [], 0, 0.0
+    for prompt, n in tqdm(list(zip(prompts, out_lens, strict=True)), desc="one-at-a-time", unit="req"):
+        idx = torch.tensor([prompt], device=device)
+        outputs.append(generate(model, idx, SamplingParams(max_tokens=n, ignore_eos=True))[0].tolist())
+        slots = len(prompt) + n  # generate sizes the cache to the request
+        for t in range(n):  # after step t the cache holds len(prompt) + t tokens
+            reserved += slots
+            empty += slots - (len(prompt) + t)
+    return outputs, empty / reserved
+
+
+def static_batches(model, prompts, out_lens, batch_size, device):
+    outputs, reserved, empty = [], 0, 0.0
+    for start in tqdm(range(0, len(prompts), batch_size), desc="static", unit="batch"):
+        batch, lens = prompts[start:start + batch_size], out_lens[start:start + batch_size]
+        width, n = max(map(len, batch)), max(lens)
+        idx = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, prompt in enumerate(batch):  # left padding
+            idx[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        new = generate(model, idx.to(device), SamplingParams(max_tokens=n, ignore_eos=True),
+                       attention_mask=mask.to(device))
+        outputs += [new[row, :lens[row]].tolist() for row in range(len(batch))]
+        slots = len(batch) * (width + n)
+        for t in range(n):  # tokens a row makes past its own length are waste too
+            reserved += slots
+            empty += slots - sum(len(p) + min(t, m - 1) for p, m in zip(batch, lens, strict=True))
+    return outputs, empty / reserved
+
+
+def run_engine(model, prompts, params, args, *, caching=True, desc="engine"):
+    """All requests added at once, stepped to the end. Returns outputs, the per-step pool record, stats."""
+    engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=caching)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    outputs = {i: [] for i in ids}
+    record = []  # (seconds, blocks in use, shared blocks, kv bytes in use, kv bytes holding a token)
+    start = time.perf_counter()
+    with tqdm(total=sum(sp.max_tokens for sp in params), desc=desc, unit="tok") as bar:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[out.request_id] += out.new_token_ids
+                bar.update(len(out.new_token_ids))
+            s = engine.stats()
+            record.append((time.perf_counter() - start, s["blocks_in_use"], s["shared_blocks"],
+                           s["kv_bytes_in_use"], s["kv_bytes_holding_tokens"]))
+    return [outputs[i] for i in ids], record, engine.stats()
+
+
+def main_workload(model, args, counter):
+    rng = random.Random(args.seed)
+    vocab = model.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
+               for _ in range(args.requests)]
+    out_lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.requests)]
+    n_tokens = sum(out_lens)
+    rows, reference = [], None
+    if "one-at-a-time" in args.ways:
+        counter.calls = 0
+        (reference, waste), seconds = timed(lambda: one_at_a_time(model, prompts, out_lens, args.device))
+        rows.append(["one-at-a-time", seconds, counter.calls, waste])
+    if "static" in args.ways:
+        counter.calls = 0
+        (static_out, waste), seconds = timed(
+            lambda: static_batches(model, prompts, out_lens, args.static_batch, args.device))
+        rows.append([f"static batches of {args.static_batch}", seconds, counter.calls, waste])
+        reference = reference or static_out
+    counter.calls = 0
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in out_lens]
+    (outputs, record, stats), seconds = timed(lambda: run_engine(model, prompts, params, args))
+    in_use = sum(r[3] for r in record)
+    rows.append(["engine", seconds, counter.calls, 1 - sum(r[4] for r in record) / in_use if in_use else 0.0])
+    base = rows[0][1]
+    print(f"\n{args.requests} requests, prompt and output lengths uniform in [{args.min_len}, {args.max_len}], "
+          f"{n_tokens} output tokens, ignore_eos, greedy; uptime load {os.getloadavg()[0]:.2f}\n")
+    print("| way | seconds | output tok/s | × first row | forward passes | KV slots reserved holding no token |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, secs, forwards, waste in rows:
+        print(f"| {name} | {secs:.1f} | {n_tokens / secs:.1f} | {base / secs:.2f}× | {forwards} | {100 * waste:.1f}% |")
+    if reference is not None:
+        same = sum(a == b for a, b in zip(reference, outputs, strict=True))
+        print(f"\nengine outputs equal to generate()'s: {same} of {args.requests} requests")
+    print(f"engine: {stats['steps']} steps, {stats['mixed_steps']} mixed prefill+decode, peak "
+          f"{stats['peak_blocks_in_use']} of {stats['num_blocks']} blocks, {stats['preemptions']} preemptions")
+    return record
+
+
+def ttft(model, args, prompt, caching: bool, warm_prompt=None) -> float:
+    """Seconds from add_request to the first token of `prompt`, after `warm_prompt` was served (if any)."""
+    engine = LLMEngine(model, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                       enable_prefix_caching=caching)
+    if warm_prompt is not None:
+        engine.generate([warm_prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    start = time.perf_counter()
+    engine.add_request(prompt, SamplingParams(max_tokens=1))
+    while not engine.step():
+        pass
+    return time.perf_counter() - start
+
+
+def prefix_workload(model, args):
+    rng = random.Random(args.seed + 1)
+    vocab = model.config.vocab_size
+    prefix = [rng.randrange(vocab) for _ in range(args.prefix_len)]
+    prompts = [prefix + [rng.randrange(vocab) for _ in range(args.suffix_len)] for _ in range(args.prefix_requests + 1)]
+    params = [SamplingParams(max_tokens=args.prefix_output, ignore_eos=True)] * args.prefix_requests
+    results = {}
+    for caching in (True, False):
+        outputs, record, stats = run_engine(model, prompts[:-1], params, args, caching=caching,
+                                            desc=f"prefix, caching {'on' if caching else 'off'}")
+        results[caching] = (outputs, record, stats)
+    cold = statistics.median(ttft(model, args, prompts[-1], False) for _ in range(3))
+    warm = statistics.median(ttft(model, args, prompts[-1], True, warm_prompt=prompts[0]) for _ in range(3))
+    ideal = args.prefix_len + args.prefix_requests * args.suffix_len
+    on, off = results[True][2], results[False][2]
+    print(f"\nprefix workload: {args.prefix_requests} requests = one {args.prefix_len}-token prefix + "
+          f"{args.suffix_len} own tokens, {args.prefix_output} output tokens each; uptime load "
+          f"{os.getloadavg()[0]:.2f}\n")
+    print("| prefix caching | prompt tokens computed | × ideal (prefix + suffixes) | cache-hit tokens | steps |")
+    print("|---|---:|---:|---:|---:|")
+    for name, s in (("on", on), ("off", off)):
+        print(f"| {name} | {s['prefill_tokens_computed']} | {s['prefill_tokens_computed'] / ideal:.2f} | "
+              f"{s['prefix_cache_hit_tokens']} | {s['steps']} |")
+    print(f"\ntime to first token of one more request: cold (no cache) {1000 * cold:.1f} ms, warm (prefix "
+          f"cached) {1000 * warm:.1f} ms: {cold / warm:.1f}× faster (medians of 3)")
+    same = results[True][0] == results[False][0]
+    print(f"outputs with caching on equal those with it off: {same}")
+    return results[True][1]
+
+
+def plot(path, main_record, prefix_record, args):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    titles = (f"{args.requests} requests, continuous batching",
+              f"{args.prefix_requests} requests sharing a {args.prefix_len}-token prefix, caching on")
+    for ax, record, title in zip(axes, (main_record, prefix_record), titles, strict=True):
+        steps = range(len(record))
+        ax.plot(steps, [r[1] for r in record], label="blocks in use")
+        ax.plot(steps, [r[2] for r in record], label="shared blocks (ref count > 1)")
+        holding = [r[4] / r[3] * r[1] if r[3] else 0 for r in record]
+        ax.plot(steps, holding, "--", label="blocks' worth of real tokens")
+        ax.set_xlabel("engine step")
+        ax.set_ylabel("KV blocks")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = build_model(args)
+    counter = ForwardCounter(model)
+    with torch.inference_mode():
+        main_record = main_workload(model, args, counter)
+        prefix_record = prefix_workload(model, args)
+    if args.plot:
+        plot(args.plot, main_record, prefix_record, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""ModelRunner: the KV pool, and one forward pass over the packed tokens of every scheduled sequence.
+
+The pool is ONE tensor for all layers, (2, n_layer, num_blocks * block_size, Hkv, D): k and v, then the
+layer, then the slot. One block id therefore names the same slots in every layer, so the BlockManager
+hands out a block once for the whole model, memory is claimed in one allocation, and each layer's part
+is a view (`kv_cache[0, layer]`). Slots of one block are adjacent (slot = block_id * block_size + offset).
+
+A step packs the new tokens of all scheduled sequences into ONE row, idx (1, N), with no padding, and
+runs the same `TransformerLM` on it. The model sees a `PagedBatch` through the cache interface
+(`begin` -> positions, `attend` -> write K/V through the slot mapping, then paged attention).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention.paged import PagedAttentionMetadata, paged_attention, write_kv
+from ..config import TransformerConfig
+from ..sampling import sample_next
+from ..transformer import TransformerLM
+from .sequence import Sequence
+
+
+class PagedBatch:
+    """The cache interface over the engine's pool, for one step. positions (1, N)."""
+
+    def __init__(self, kv_cache: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata):
+        self.kv_cache, self.positions, self.meta = kv_cache, positions, meta
+
+    def begin(self, idx: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        assert attention_mask is None and idx.shape == self.positions.shape
+        return self.positions  # (1, N): each token's position inside its own sequence
+
+    def attend(self, layer: int, q, k, v, attend) -> torch.Tensor:
+        """q (1, H, N, D); k, v (1, Hkv, N, D). Write every new token's K/V first, then attend: a sequence
+        that shares a block filled in this same step reads it already written."""
+        k_cache, v_cache = self.kv_cache[0, layer], self.kv_cache[1, layer]  # (num_slots, Hkv, D) views
+        meta = self.meta
+        write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), meta.slot_mapping)
+        q = q[0].transpose(0, 1)  # (N, H, D)
+        if attend.backend == "triton":  # the kernel walks the block tables itself: no gathered copy
+            from ..attention.triton_paged import triton_paged_attention
+
+            out = triton_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.token_seq, meta.token_pos,
+                                         meta.block_size)
+        else:
+            out = paged_attention(q, k_cache, v_cache, meta, attend)  # (N, H, D)
+        return out.transpose(0, 1)[None]  # (1, H, N, D)
+
+
+def bytes_per_block(cfg: TransformerConfig, block_size: int, dtype: torch.dtype) -> int:
+    """2 (k and v) * n_layer * block_size * Hkv * D * bytes per element."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.n_layer * block_size * cfg.n_kv_heads * cfg.d_head * element
+
+
+class ModelRunner:
+    def __init__(self, model: TransformerLM, num_blocks: int, block_size: int):
+        cfg = model.config
+        weight = model.tok_emb.weight
+        self.model, self.block_size = model, block_size
+        self.device, self.dtype = weight.device, weight.dtype
+        shape = (2, cfg.n_layer, num_blocks * block_size, cfg.n_kv_heads, cfg.d_head)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def execute_model(self, scheduled: list[tuple[Sequence, int]]) -> list[int | None]:
+        """One forward pass for the scheduled (sequence, num_new_tokens) pairs. Returns, per pair, the
+        sampled next token, or None when the chunk does not reach the sequence's last token (its prefill
+        goes on next step). The sampled ids are read back to the host once, together."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        last_rows: list[int] = []  # row of the packed batch whose logits pick each sampling sequence's token
+        samplers: list[Sequence] = []
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            input_ids += seq.tokens[start:start + n]
+            positions += range(start, start + n)
+            if start + n == seq.num_tokens:
+                last_rows.append(len(input_ids) - 1)
+                samplers.append(seq)
+        meta = PagedAttentionMetadata.build(
+            [seq.block_table for seq, _ in scheduled], [seq.num_computed_tokens + n for seq, n in scheduled],
+            [n for _, n in scheduled], self.block_size, self.device,
+        )
+        idx = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # (1, N)
+        batch = PagedBatch(self.kv_cache, torch.tensor([positions], device=self.device), meta)
+        logits, _ = self.model(idx, cache=batch, check=False)  # (1, N, V)
+        next_ids = self.sample(logits[0, last_rows], samplers).tolist() if samplers else []  # the one host read
+        tokens = iter(next_ids)
+        return [next(tokens) if seq.num_computed_tokens + n == seq.num_tokens else None for seq, n in scheduled]
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """(M, V) logits -> (M,) ids. Plain greedy rows share one argmax; every other row samples on its
+        own with its sequence's generator, so its draws do not depend on what else is in the batch."""
+        next_ids = logits.float().argmax(dim=-1)  # (M,)
+        for row, seq in enumerate(seqs):
+            params = seq.params
+            if params.greedy and not params.repetition_penalty:
+                continue
+            previous = None  # the tokens so far matter only to the repetition penalty
+            if params.repetition_penalty:
+                previous = torch.tensor([seq.tokens], dtype=torch.long, device=self.device)  # (1, T)
+            next_ids[row] = sample_next(logits[row:row + 1], params, previous_ids=previous,
+                                        generator=seq.generator)[0]
+        return next_ids

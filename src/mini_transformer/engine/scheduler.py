@@ -1,0 +1,110 @@
+"""Scheduler: which sequences run in the next step, and how many of their tokens (vLLM V1's rule).
+
+There are no prefill and decode phases. Every sequence has tokens (prompt + output) and a count of those
+already computed; a step lets each chosen sequence catch up by up to its remaining count, all under one
+token budget, `max_num_batched_tokens`. A running sequence that is decoding asks for 1 token, a new one
+for its whole prompt (less what the prefix cache already holds); when the budget runs short, a prompt is
+cut into chunks over several steps (chunked prefill). So one step mixes decode tokens and prefill chunks.
+
+One step:
+  1. RUNNING sequences first, oldest first. If the pool cannot hold a sequence's new tokens, the NEWEST
+     running sequence is preempted (its blocks freed, its tokens recomputed later) until it fits.
+  2. Then WAITING sequences in arrival order (FCFS), while the budget, `max_num_seqs` and the pool allow;
+     the first that does not fit stops the loop, so nobody overtakes it. A step that preempted admits
+     nobody (the pool is short already).
+
+No starvation: a request that could never fit in the pool is refused when it is added, the oldest
+running sequence is never preempted by a newer one, and a preempted sequence goes back to the FRONT of
+the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute)
+    preempted: list[Sequence] = field(default_factory=list)
+    prefix_cache_hit_tokens: int = 0  # tokens the sequences admitted this step found in the cache
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last one is the newest
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = self.running.pop()  # the newest running sequence
+                self.preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, num_new))
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        manager = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = manager.find_cached_blocks(seq)
+            num_new = min(seq.num_tokens - len(cached) * manager.block_size, budget)
+            if not manager.can_admit(seq, cached, num_new):
+                break  # FCFS: the head of the queue waits for room, and so does everyone behind it
+            self.waiting.popleft()
+            manager.admit(seq, cached)
+            allocated = manager.allocate_slots(seq, num_new)
+            assert allocated, "can_admit promised room"
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            out.prefix_cache_hit_tokens += seq.num_cached_tokens
+            budget -= num_new
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute later: free every block, forget what was computed, go back to the front of the queue.
+        The tokens produced so far stay; they are prefilled again with the prompt."""
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished (or aborted) sequence out of the queues and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)

@@ -1,0 +1,91 @@
+"""Sequence: one request as the engine sees it — its tokens, how far they are computed, its blocks.
+
+    tokens = prompt_token_ids + output_token_ids
+    num_computed_tokens: how many of `tokens` have their K/V in the pool already
+
+A step schedules `num_tokens - num_computed_tokens` tokens or fewer (a prefill chunk); a running
+sequence whose last token is its newest sampled one schedules exactly 1 (a decode step). vLLM V1 makes
+no other distinction between prefill and decode, and neither do we.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request: the token(s) it added, and whether it is done.
+    finish_reason: None while running, "stop" (a stop or EOS token), "length" (max_tokens), "abort", or
+    "error" (the step's forward pass raised; see LLMEngine.step)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 stop_token_ids: tuple[int, ...], arrival: int, device: torch.device):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.arrival = arrival  # FCFS order: the order add_request saw
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.block_table: list[int] = []  # block ids, in the order of the tokens they hold
+        self.block_hashes: list[int] = []  # hash chain of the full blocks of `tokens` (see BlockManager)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at the last admission
+        self.generator = params.make_generator(device)  # its own random stream: batch-independent
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this sequence can ever hold in the pool (its last token is never computed)."""
+        return self.num_prompt_tokens + self.params.max_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        """Add a sampled token and finish the sequence if it is a stop token or the last one allowed."""
+        self.output_token_ids.append(token_id)
+        if token_id in self.stop_token_ids:
+            self.finish("stop")
+        elif len(self.output_token_ids) >= self.params.max_tokens:
+            self.finish("length")
+
+    def finish(self, reason: str) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")

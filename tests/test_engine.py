@@ -1,0 +1,274 @@
+"""LLMEngine against generate(): every request's greedy output equals generate() on that prompt alone,
+whatever the block size, prefix caching, token budget (chunked prefill), pool size (preemption) and
+arrival times. Seeded sampling is batch-independent. Bad requests fail alone, with a clear error."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
+from mini_transformer.engine import LLMEngine
+
+VOCAB = 50
+
+
+def make_model(style: str) -> TransformerLM:
+    extra = dict(pos_emb="rope", n_kv_heads=2, norm="rmsnorm", ffn="swiglu", bias=False) if style == "llama" else {}
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_layer=2, d_ff=64, max_seq_len=64,
+                            init_std=0.2, **extra)
+    torch.manual_seed(0)
+    return TransformerLM(cfg).eval()
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def model(request):
+    return make_model(request.param)
+
+
+def make_prompts(seed=1):
+    """Ragged prompts; two share a 16-token prefix with the second (prefix caching has something to find)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 19, 9, 26, 1, 12)]
+    prompts.append(prompts[1][:16] + [3, 4, 5])
+    prompts.append(prompts[1][:16])  # a prompt that is entirely cached by then
+    return prompts
+
+
+def alone(model, prompt, max_tokens, **kw):
+    return generate(model, torch.tensor([prompt]), max_tokens, **kw)[0].tolist()
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    return [alone(model, p, 10) for p in make_prompts()]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_equals_generate_alone(model, expected, block_size, prefix_caching):
+    engine = LLMEngine(model, block_size=block_size, num_blocks=200, enable_prefix_caching=prefix_caching)
+    assert engine.generate(make_prompts(), SamplingParams(max_tokens=10), use_tqdm=False) == expected
+    stats = engine.stats()
+    assert stats["blocks_in_use"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
+    assert (stats["prefix_cache_hit_tokens"] > 0) == prefix_caching
+
+
+def test_chunked_prefill_mixes_chunks_and_decode_tokens(model, expected):
+    engine = LLMEngine(model, block_size=4, num_blocks=200, max_num_batched_tokens=7)
+    assert engine.generate(make_prompts(), SamplingParams(max_tokens=10), use_tqdm=False) == expected
+    stats = engine.stats()
+    assert stats["max_batched_tokens_seen"] <= 7
+    assert stats["mixed_steps"] > 0, "no step ran a prefill chunk beside a decode token"
+
+
+def test_preemption_keeps_outputs(model, expected):
+    engine = LLMEngine(model, block_size=4, num_blocks=12, max_num_batched_tokens=16)
+    assert engine.generate(make_prompts(), SamplingParams(max_tokens=10), use_tqdm=False) == expected
+    stats = engine.stats()
+    assert stats["preemptions"] > 0
+    assert stats["blocks_in_use"] == 0 and stats["peak_blocks_in_use"] <= 12
+
+
+def test_requests_added_while_others_run(model, expected):
+    prompts = make_prompts()
+    engine = LLMEngine(model, block_size=4, num_blocks=40, max_num_batched_tokens=12, max_num_seqs=3)
+    outputs, ids, step = {}, {}, 0
+    while len(ids) < len(prompts) or engine.has_unfinished_requests():
+        if step % 3 == 0 and len(ids) < len(prompts):  # a new request every third step
+            ids[engine.add_request(prompts[len(ids)], SamplingParams(max_tokens=10))] = len(ids)
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+        assert step < 500
+    assert [outputs[rid] for rid in sorted(ids, key=ids.get)] == expected
+
+
+def test_seeded_sampling_is_the_same_alone_or_in_a_batch():
+    model64 = make_model("llama").double()  # float64: batched and alone logits agree far below sampling noise
+    prompts = make_prompts()
+    params = [SamplingParams(max_tokens=8, temperature=1.0, top_k=20, seed=100 + i) for i in range(len(prompts))]
+    batch = LLMEngine(model64, block_size=4, num_blocks=100).generate(prompts, params, use_tqdm=False)
+    for prompt, p, got in zip(prompts, params, batch, strict=True):
+        assert got == alone(model64, prompt, p)  # generate() with the same seed
+    single = LLMEngine(model64, block_size=4, num_blocks=100).generate(prompts[:1], params[:1], use_tqdm=False)
+    assert single[0] == batch[0]
+
+
+def test_stop_tokens_and_eos_end_a_request(model):
+    prompt = make_prompts()[3]
+    free_run = alone(model, prompt, 10)
+    stop = free_run[4]
+    engine = LLMEngine(model, block_size=4, num_blocks=50, eos_token_id=stop)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=10))
+    rid_ignore = engine.add_request(prompt, SamplingParams(max_tokens=10, ignore_eos=True))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    tokens = [t for out in outs[rid] for t in out.new_token_ids]
+    assert tokens == free_run[:free_run.index(stop) + 1]
+    assert outs[rid][-1].finished and outs[rid][-1].finish_reason == "stop"
+    assert [t for out in outs[rid_ignore] for t in out.new_token_ids] == free_run
+    assert outs[rid_ignore][-1].finish_reason == "length"
+    assert not any(out.finished for out in outs[rid_ignore][:-1])
+
+
+def test_abort_frees_blocks_at_once(model):
+    engine = LLMEngine(model, block_size=4, num_blocks=50)
+    prompts = make_prompts()
+    ids = [engine.add_request(p, SamplingParams(max_tokens=20)) for p in prompts[:3]]
+    engine.step()
+    assert engine.stats()["blocks_in_use"] > 0
+    assert engine.abort(ids[1]) and not engine.abort(ids[1]) and not engine.abort("no such id")
+    for out in engine.step():
+        assert out.request_id != ids[1]
+    for rid in (ids[0], ids[2]):
+        engine.abort(rid)
+    assert engine.stats()["blocks_in_use"] == 0 and not engine.has_unfinished_requests()
+    after = engine.generate([prompts[0]], SamplingParams(max_tokens=10), use_tqdm=False)[0]
+    assert after == alone(model, prompts[0], 10)
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([], SamplingParams(), "empty"),
+    ([1, VOCAB], SamplingParams(), "vocab_size"),
+    ([1, -1], SamplingParams(), "vocab_size"),
+    ([[1, 2]], SamplingParams(), "token ids"),
+    ([1] * 60, SamplingParams(max_tokens=10), "max_seq_len"),
+    ([1] * 20, SamplingParams(max_tokens=30), "num_blocks"),
+    ([1, 2], SamplingParams(stop_token_ids=[VOCAB + 3]), "stop_token_ids"),
+])
+def test_bad_requests_fail_alone(model, prompt, params, match):
+    engine = LLMEngine(model, block_size=4, num_blocks=10)
+    good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompt, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [t for o in outs for t in o.new_token_ids] == alone(model, [1, 2, 3], 5)
+    assert outs[-1].request_id == good and engine.stats()["blocks_in_use"] == 0
+
+
+def test_bad_engine_arguments(model):
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="num_blocks"):
+        LLMEngine(model, num_blocks=0)
+    with pytest.raises(ValueError, match="smaller than one block"):
+        LLMEngine(model, block_size=16, kv_cache_bytes=100)
+    with pytest.raises(ValueError, match="not both"):
+        LLMEngine(model, num_blocks=4, kv_cache_bytes=10**6)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLMEngine(model, max_num_batched_tokens=0)
+    with pytest.raises(TypeError, match="TransformerLM"):
+        LLMEngine("model")
+    with pytest.raises(TypeError, match="SamplingParams"):
+        LLMEngine(model, num_blocks=4).add_request([1], {"max_tokens": 3})
+    engine = LLMEngine(model, block_size=4, kv_cache_bytes=10**5)
+    assert engine.stats()["kv_cache_bytes"] <= 10**5 and engine.num_blocks >= 1
+
+
+def test_triton_backend_walks_the_block_tables_in_its_kernel():
+    pytest.importorskip("triton")  # Triton's interpreter here (conftest sets TRITON_INTERPRET=1)
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=32, n_heads=2, n_kv_heads=1, n_layer=1, d_ff=32,
+                            max_seq_len=32, pos_emb="rope", init_std=0.2, attn_backend="triton")
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).eval()
+    prompts = make_prompts()[:3]
+    engine = LLMEngine(model, block_size=4, num_blocks=30, max_num_batched_tokens=8)
+    got = engine.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert got == [alone(model, p, 4) for p in prompts]
+    assert engine.stats()["mixed_steps"] > 0
+    with pytest.raises(ValueError, match="power of two"):
+        LLMEngine(model, block_size=3, num_blocks=4)
+
+
+def test_a_failing_forward_pass_ends_its_requests_and_leaves_the_engine_usable(model, monkeypatch):
+    engine = LLMEngine(model, block_size=4, num_blocks=50)
+    prompt = make_prompts()[3]
+    engine.add_request(prompt, SamplingParams(max_tokens=5))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.runner, "execute_model", broken)
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.step()
+    stats = engine.stats()
+    assert not engine.has_unfinished_requests() and stats["blocks_in_use"] == 0 and stats["cached_blocks"] == 0
+    assert engine.generate([prompt], SamplingParams(max_tokens=5), use_tqdm=False)[0] == alone(model, prompt, 5)
+
+
+def test_repetition_penalty_sees_the_whole_sequence(model):
+    prompts = make_prompts()[:3]
+    params = SamplingParams(max_tokens=10, repetition_penalty=1.8)
+    got = LLMEngine(model, block_size=4, num_blocks=60).generate(prompts, params, use_tqdm=False)
+    assert got == [alone(model, p, params) for p in prompts]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), block_size=st.sampled_from([1, 2, 4, 16]), budget=st.integers(1, 24),
+       max_num_seqs=st.integers(1, 4), caching=st.booleans())
+def test_random_workloads_equal_generate(data, block_size, budget, max_num_seqs, caching):
+    """Random prompts (some sharing a prefix), budgets down to 1 token per step, pools barely larger than
+    the biggest request, requests arriving at random steps: every output equals generate() alone."""
+    model = make_model("llama")
+    base = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20))
+    prompts = [data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20)) for _ in range(4)]
+    prompts = [base + p if i % 2 else p for i, p in enumerate(prompts)]
+    max_tokens = data.draw(st.integers(1, 6))
+    biggest = -(-max(len(p) + max_tokens for p in prompts) // block_size)
+    engine = LLMEngine(model, block_size=block_size, num_blocks=biggest + data.draw(st.integers(0, 6)),
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_prefix_caching=caching)
+    arrivals = sorted(data.draw(st.lists(st.integers(0, 8), min_size=4, max_size=4)))
+    ids, outputs, step = {}, {}, 0
+    while len(ids) < len(prompts) or engine.has_unfinished_requests():
+        while len(ids) < len(prompts) and arrivals[len(ids)] <= step:
+            ids[engine.add_request(prompts[len(ids)], SamplingParams(max_tokens=max_tokens))] = len(ids)
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+        assert step < 1000
+    assert [outputs[rid] for rid in sorted(ids, key=ids.get)] == [alone(model, p, max_tokens) for p in prompts]
+    assert engine.stats()["blocks_in_use"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_engine_on_cuda_equals_generate(backend):
+    """On a GPU (benchmarks/gpu_check.py runs `pytest -k cuda` with TRITON_INTERPRET=0): the pool, the
+    paged attention (gathered for sdpa, the Triton kernel for triton) and sampling all on the device."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from mini_transformer.attention.triton_paged import _kernels_are_interpreted
+
+        if _kernels_are_interpreted():
+            pytest.skip("TRITON_INTERPRET=1: the kernels would not run on the GPU")
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=64, n_heads=4, n_kv_heads=2, n_layer=2, d_ff=128,
+                            max_seq_len=64, pos_emb="rope", norm="rmsnorm", ffn="swiglu", init_std=0.2,
+                            attn_backend=backend)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).to("cuda").eval()
+    prompts = make_prompts()
+    engine = LLMEngine(model, block_size=4, num_blocks=40, max_num_batched_tokens=16)
+    got = engine.generate(prompts, SamplingParams(max_tokens=10), use_tqdm=False)
+    assert got == [generate(model, torch.tensor([p], device="cuda"), 10)[0].tolist() for p in prompts]
+    stats = engine.stats()
+    assert stats["mixed_steps"] > 0 and stats["blocks_in_use"] == 0
+
+
+def test_moe_model_through_the_engine():
+    """An MoE model (Mixtral-style top-2 of 4 experts) runs in the engine unchanged: packed tokens of many
+    requests are routed one by one, so every request still equals generate() alone."""
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_kv_heads=2, n_layer=2, d_ff=64,
+                            max_seq_len=64, pos_emb="rope", norm="rmsnorm", ffn="moe", n_experts=4,
+                            n_experts_per_tok=2, bias=False, init_std=0.2)
+    torch.manual_seed(0)
+    moe = TransformerLM(cfg).eval()
+    prompts = make_prompts()
+    engine = LLMEngine(moe, block_size=4, num_blocks=200, max_num_batched_tokens=16)
+    assert engine.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False) == [alone(moe, p, 8) for p in prompts]
+    assert engine.stats()["mixed_steps"] > 0 and engine.stats()["blocks_in_use"] == 0

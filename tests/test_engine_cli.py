@@ -1,0 +1,67 @@
+"""`mini-transformer sample` with several prompts runs them through the engine: each completion equals
+generate() on that prompt alone (greedy); `bench serving` runs the benchmark script."""
+
+import pytest
+import torch
+
+from mini_transformer import TransformerConfig, TransformerLM, generate
+from mini_transformer.cli import main
+from mini_transformer.tokenizer import CharTokenizer
+
+TEXT = "the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs!"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("char")
+    tokenizer = CharTokenizer.train(TEXT)
+    cfg = TransformerConfig.from_preset("tiny", vocab_size=tokenizer.vocab_size, max_seq_len=40, init_std=0.3)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    model.save_pretrained(path)
+    tokenizer.save(path)
+    return path, model.eval(), tokenizer
+
+
+def expected_text(model, tokenizer, prompt, n):
+    ids = generate(model, torch.tensor([tokenizer.encode(prompt)]), n)[0].tolist()
+    return prompt + tokenizer.decode(ids) + "\n\n"
+
+
+def test_several_prompts_go_through_the_engine(checkpoint, capsys, tmp_path):
+    path, model, tokenizer = checkpoint
+    prompts = ["the fox", "a lazy dog jumps", "pack"]
+    file = tmp_path / "prompts.txt"
+    file.write_text("pack\n\n", encoding="utf-8")
+    code = main(["sample", "--checkpoint", str(path), "--prompt", prompts[0], "--prompt", prompts[1],
+                 "--prompts-file", str(file), "--max-new-tokens", "12", "--temperature", "0"])
+    assert code == 0
+    assert capsys.readouterr().out == "".join(expected_text(model, tokenizer, p, 12) for p in prompts)
+
+
+def test_engine_path_stops_at_the_context(checkpoint, capsys):
+    path, model, tokenizer = checkpoint
+    prompt = "the quick brown fox jumps over"  # 30 of 40 positions: 10 tokens of room
+    code = main(["sample", "--checkpoint", str(path), "--prompt", prompt, "--prompt", "dog",
+                 "--max-new-tokens", "25", "--temperature", "0"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(expected_text(model, tokenizer, prompt, 10))
+
+
+def test_missing_prompts_are_a_clear_error(checkpoint, capsys, tmp_path):
+    path, _, _ = checkpoint
+    assert main(["sample", "--checkpoint", str(path)]) == 2
+    assert "--prompt" in capsys.readouterr().err
+    assert main(["sample", "--checkpoint", str(path), "--prompts-file", str(tmp_path / "absent.txt")]) == 2
+    assert "--prompts-file" in capsys.readouterr().err
+
+
+def test_bench_serving_runs_a_tiny_workload(capsys):
+    code = main(["bench", "serving", "--requests", "3", "--min-len", "2", "--max-len", "6", "--ways", "static",
+                 "--prefix-requests", "2", "--prefix-len", "8", "--suffix-len", "2", "--prefix-output", "2",
+                 "--block-size", "4"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| engine |" in out and "engine outputs equal to generate()'s: 3 of 3 requests" in out
+    assert "outputs with caching on equal those with it off: True" in out
