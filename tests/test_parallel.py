@@ -160,3 +160,9 @@ def test_launcher_times_out_and_names_the_hung_ranks():
     with pytest.raises(TimeoutError, match=r"rank\(s\) \[0, 1\]"):
         run_processes(sleep_forever, 2, timeout=4)
     assert not multiprocessing.active_children()
+
+
+def test_tensor_parallel_refuses_moe_and_points_to_expert_parallelism():
+    cfg = TransformerConfig(**{**LLAMA_STYLE, "ffn": "moe", "n_experts": 4})
+    with pytest.raises(ValueError, match="shard_expert_parallel"):
+        check_divisible(cfg, 2)

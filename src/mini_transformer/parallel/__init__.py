@@ -1,7 +1,10 @@
-"""Parallelism on torch.distributed: tensor-parallel inference (tp.py), FSDP2 training helpers (fsdp.py),
-and a launcher that runs a function on N local ranks for tests and benchmarks (launch.py)."""
+"""Parallelism on torch.distributed: tensor-parallel inference (tp.py), expert-parallel MoE inference (ep.py),
+FSDP2 training helpers (fsdp.py), and a launcher that runs a function on N local ranks for tests and
+benchmarks (launch.py)."""
 
+from .ep import check_experts_divisible, shard_expert_parallel
 from .launch import RankFailed, run_processes
 from .tp import check_divisible, shard_tensor_parallel
 
-__all__ = ["RankFailed", "check_divisible", "run_processes", "shard_tensor_parallel"]
+__all__ = ["RankFailed", "check_divisible", "check_experts_divisible", "run_processes", "shard_expert_parallel",
+           "shard_tensor_parallel"]
