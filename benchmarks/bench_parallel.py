@@ -16,7 +16,10 @@ Three tables, each with its reference measured in the same run:
      for a char-vocabulary model where the blocks' activations are nearly all of it.
      Each mode runs in a fresh subprocess (peak RSS via /proc/self/clear_refs, as bench_attention.py;
      torch.cuda.max_memory_allocated on CUDA).
-Expert parallelism is not measured: the MoE layer is not in the model yet.
+  4. Expert parallel MoE inference, 2 gloo ranks (each runs half the batch) vs one process: per-rank
+     weight bytes (experts, and everything), and the bytes each rank sends by all_to_all per token
+     against the uniform-routing formula L * 2 k (W-1)/W * C * bytes. The model is the preset's shape
+     with every FFN an MoE layer of 8 experts of width d_model, top-2.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import _peak_rss_bytes, _reset_peak_rss, _rss_bytes  # noqa: E402
 
 from mini_transformer import TransformerConfig, TransformerLM, generate  # noqa: E402
-from mini_transformer.parallel import run_processes, shard_tensor_parallel  # noqa: E402
+from mini_transformer.parallel import run_processes, shard_expert_parallel, shard_tensor_parallel  # noqa: E402
 from mini_transformer.parallel.fsdp import local_bytes, shard_for_training, training_memory  # noqa: E402
 from mini_transformer.train import TrainConfig, make_optimizer  # noqa: E402
 
@@ -78,6 +81,43 @@ def bench_tp(args) -> list[dict]:
         rows.append(dict(setup=f"TP=2 rank {rank}", weights_mb=r["weights"] / MB, ratio=r["weights"] / one["weights"],
                          kb_token=f"{r['bytes_per_token'] / 1e3:.1f}", formula_kb=f"{formula / 1e3:.1f}",
                          tok_s=r["tok_s"]))
+    return rows
+
+
+# ------------------------------------------------------------------------------ 4. expert parallel
+def moe_config(args) -> TransformerConfig:
+    cfg = model_config(args)
+    return cfg.replace(ffn="moe", n_experts=8, n_experts_per_tok=2, moe_expert_ffn="gelu_tanh", d_ff=cfg.d_model)
+
+
+def ep_worker(rank: int, world_size: int, args, shard: bool) -> dict:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = TransformerLM(moe_config(args)).eval()
+    if shard:
+        shard_expert_parallel(model)
+    idx = torch.randint(model.config.vocab_size, (4, args.prompt), generator=torch.Generator().manual_seed(1))
+    rows = idx.chunk(world_size)[rank]  # each rank runs its own part of the batch
+    with torch.no_grad():
+        logits = model(rows)[0]
+    experts = [p for name, p in model.named_parameters() if ".experts." in name]
+    return dict(logits=logits, experts=local_bytes(experts), weights=local_bytes(model.parameters()),
+                bytes_per_token=model.collectives.nbytes / rows.numel() if shard else 0.0)
+
+
+def bench_ep(args) -> list[dict]:
+    cfg = moe_config(args)
+    one = run_processes(ep_worker, 1, args=(args, False), timeout=args.timeout)[0]
+    two = run_processes(ep_worker, 2, args=(args, True), timeout=args.timeout)
+    torch.testing.assert_close(torch.cat([r["logits"] for r in two]), one["logits"])  # EP == one process
+    formula = cfg.n_layer * 2 * cfg.n_experts_per_tok * (2 - 1) / 2 * cfg.d_model * 4  # bytes per token
+    rows = [dict(setup="1 process", experts_mb=one["experts"] / MB, experts_ratio=1.0, weights_mb=one["weights"] / MB,
+                 weights_ratio=1.0, kb_token="-", formula_kb="-")]
+    for rank, r in enumerate(two):
+        rows.append(dict(setup=f"EP=2 rank {rank}", experts_mb=r["experts"] / MB,
+                         experts_ratio=r["experts"] / one["experts"], weights_mb=r["weights"] / MB,
+                         weights_ratio=r["weights"] / one["weights"], kb_token=f"{r['bytes_per_token'] / 1e3:.1f}",
+                         formula_kb=f"{formula / 1e3:.1f}"))
     return rows
 
 
@@ -218,7 +258,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--plot", action="store_true", help="write out/parallel.png")
     p.add_argument("--ac-presets", default="gpt2-small,llama-style", help="checkpointing: models, comma-separated")
-    p.add_argument("--only", default="tp,train,ac", help="which tables: tp, train, ac (comma-separated)")
+    p.add_argument("--only", default="tp,ep,train,ac", help="which tables: tp, ep, train, ac (comma-separated)")
     p.add_argument("--ac-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # tables appear as they are measured, even into a file
@@ -238,6 +278,10 @@ def main() -> None:
         print("\n" + table(tp_rows, dict(setup="setup", weights_mb="weights MB", ratio="x one process",
                                        kb_token="collective KB/token", formula_kb="formula KB/token",
                                        tok_s="decode tok/s")))
+    if "ep" in only:
+        print("\n" + table(bench_ep(args), dict(setup="setup", experts_mb="expert weights MB", experts_ratio="x one",
+                                                weights_mb="all weights MB", weights_ratio="x one",
+                                                kb_token="all_to_all KB/token", formula_kb="uniform formula KB/token")))
     if "train" in only:
         train_rows = bench_train_memory(args)
         print("\n" + table(train_rows, dict(setup="setup", params_mb="params MB", grads_mb="grads MB",
