@@ -20,6 +20,8 @@ Three tables, each with its reference measured in the same run:
      weight bytes (experts, and everything), and the bytes each rank sends by all_to_all per token
      against the uniform-routing formula L * 2 k (W-1)/W * C * bytes. The model is the preset's shape
      with every FFN an MoE layer of 8 experts of width d_model, top-2.
+  5. Prefill/decode disaggregation, rank 0 prefills and rank 1 decodes: K/V bytes moved per request
+     against 2 * n_layer * P * Hkv * D * bytes, and the completions checked against one LLMEngine.
 """
 
 from __future__ import annotations
@@ -119,6 +121,37 @@ def bench_ep(args) -> list[dict]:
                          weights_ratio=r["weights"] / one["weights"], kb_token=f"{r['bytes_per_token'] / 1e3:.1f}",
                          formula_kb=f"{formula / 1e3:.1f}"))
     return rows
+
+
+# --------------------------------------------------------------------- 5. prefill/decode disaggregation
+PD_PROMPTS = (32, 128, 512)
+
+
+def pd_worker(rank: int, world_size: int, args) -> dict:
+    from mini_transformer import SamplingParams
+    from mini_transformer.parallel.pd import run_disaggregated
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = TransformerLM(model_config(args)).eval()
+    lengths = [min(n, model.config.max_seq_len - 8) for n in PD_PROMPTS]
+    prompts = [torch.randint(model.config.vocab_size, (n,)).tolist() for n in lengths]
+    result = run_disaggregated(model, prompts, SamplingParams(max_tokens=8), block_size=16)
+    return dict(lengths=lengths, kv_bytes=result.kv_bytes, completions=result.completions, prompts=prompts)
+
+
+def bench_pd(args) -> list[dict]:
+    from mini_transformer import SamplingParams
+    from mini_transformer.engine import LLMEngine
+    from mini_transformer.parallel.pd import kv_bytes_formula
+
+    prefill, decode = run_processes(pd_worker, 2, args=(args,), timeout=args.timeout)
+    torch.manual_seed(0)
+    model = TransformerLM(model_config(args)).eval()
+    one = LLMEngine(model, block_size=16).generate(decode["prompts"], SamplingParams(max_tokens=8), use_tqdm=False)
+    assert one == decode["completions"], "disaggregated completions differ from one engine"
+    return [dict(prompt=n, kv_mb=b / MB, formula_mb=kv_bytes_formula(model, n) / MB, per_token_kb=b / n / 1e3)
+            for n, b in zip(prefill["lengths"], prefill["kv_bytes"], strict=True)]
 
 
 # --------------------------------------------------------------------------------- 2. FSDP vs DDP
@@ -258,7 +291,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--plot", action="store_true", help="write out/parallel.png")
     p.add_argument("--ac-presets", default="gpt2-small,llama-style", help="checkpointing: models, comma-separated")
-    p.add_argument("--only", default="tp,ep,train,ac", help="which tables: tp, ep, train, ac (comma-separated)")
+    p.add_argument("--only", default="tp,ep,pd,train,ac", help="which tables: tp, ep, pd, train, ac (comma-separated)")
     p.add_argument("--ac-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # tables appear as they are measured, even into a file
@@ -282,6 +315,9 @@ def main() -> None:
         print("\n" + table(bench_ep(args), dict(setup="setup", experts_mb="expert weights MB", experts_ratio="x one",
                                                 weights_mb="all weights MB", weights_ratio="x one",
                                                 kb_token="all_to_all KB/token", formula_kb="uniform formula KB/token")))
+    if "pd" in only:
+        print("\n" + table(bench_pd(args), dict(prompt="prompt tokens", kv_mb="K/V sent MB", formula_mb="formula MB",
+                                                per_token_kb="KB per prompt token")))
     if "train" in only:
         train_rows = bench_train_memory(args)
         print("\n" + table(train_rows, dict(setup="setup", params_mb="params MB", grads_mb="grads MB",
