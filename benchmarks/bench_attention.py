@@ -146,9 +146,7 @@ def causal_flops(T: int, mode: str, args) -> float:
 
 def spawn(backend: str, T: int, mode: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", backend, str(T), mode, *args.passthrough]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))  # the same interpreter: the installed package
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         return dict(backend=backend, T=T, mode=mode, error=done.stderr.strip().splitlines()[-1:] or ["failed"])

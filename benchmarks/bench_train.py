@@ -4,14 +4,18 @@ Quality: char-level tiny shakespeare, block 64, batch 12, 4 layers, 4 heads, d_m
 2000 steps, lr 1e-3 (100 warmup steps, cosine to 1e-4), AdamW betas (0.9, 0.99), weight decay 0.1,
 clip 1.0, eval every 250 steps on 20 batches. Three models with the same parameter count:
   gpt2          learned positions + LayerNorm + GELU, no biases (nanoGPT's model)   target val <= 1.88
-  gpt2-init002  the same with nanoGPT's initial std 0.02 instead of our width rule (no target: the reference)
+  gpt2-init002  the same with nanoGPT's initial std 0.02 instead of our width rule (the reference)
   modern        RoPE + RMSNorm + SwiGLU, d_ff chosen so the parameter count matches  target val <= 1.80
 All but gpt2-init002 start from std sqrt(2 / (5 * d_model)) = 0.056 (config.small_init_std).
-Speed (--speed-steps N): the gpt2 model for N steps with each speed-up switched on in turn
-(attention backend, fused AdamW, torch.compile), ms/step medians and ratios measured in one process.
+Speed (--speed-steps N): the gpt2 model for N steps, first in a plain loop (the reference: the same
+model, torch.optim.AdamW with its defaults, no schedule, clipping or autocast), then through train()
+with each speed-up switched on in turn (attention backend, fused AdamW, torch.compile). The variants
+take turns for --rounds rounds, so a change in the machine's load hits them all alike; ms/step is the
+median over the rounds; each ratio is the median over the rounds of the plain loop's time over the
+variant's in the same round, all in one process.
 
-    python benchmarks/bench_train.py --data /work/shared/data/tinyshakespeare.txt --plot train.png
-    python benchmarks/bench_train.py --data PATH --steps 200 --speed-steps 100 --compile
+    python benchmarks/bench_train.py --data PATH/TO/tinyshakespeare.txt --plot train.png
+    python benchmarks/bench_train.py --data PATH --steps 0 --speed-steps 100 --compile
 """
 
 from __future__ import annotations
@@ -19,21 +23,21 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from mini_transformer import TransformerConfig, TransformerLM
+from mini_transformer.data import get_batch, load_text, split_tokens
+from mini_transformer.tokenizer import CharTokenizer
+from mini_transformer.train import TrainConfig, train
 
-from mini_transformer import TransformerConfig, TransformerLM  # noqa: E402
-from mini_transformer.train import TrainConfig, train  # noqa: E402
-
-NANOGPT_VAL, NANOGPT_MS = 1.8857, 62.0  # nanoGPT's published baby run, measured on a 2-core machine
 # each model: (val loss target or None, plot colour)
 MODELS = {"gpt2": (1.88, "tab:blue"), "gpt2-init002": (None, "tab:grey"), "modern": (1.80, "tab:orange")}
-SPEED_TARGET_MS = NANOGPT_MS / 1.2  # 1.2x nanoGPT's speed: <= ~52 ms/step
+WARMUP_STEPS = 10  # step times left out of the medians (allocations, compilation)
+PLAIN_LOOP = "plain loop, torch AdamW defaults"
 
 
 def gpt2_config(vocab_size: int, **changes) -> TransformerConfig:
@@ -60,7 +64,7 @@ def run(model_cfg: TransformerConfig, args, steps: int, out: Path, **changes):
                       eval_interval=changes.pop("eval_interval", 250), eval_batches=20, seed=args.seed,
                       device=args.device, out_dir=str(out), num_samples=0, progress=not args.quiet, **changes)
     result = train(cfg, model_cfg)
-    times = result.step_times[min(10, len(result.step_times) // 2):]  # skip warm-up steps (allocations, compile)
+    times = result.step_times[min(WARMUP_STEPS, len(result.step_times) // 2):]
     ms = 1000 * statistics.median(times)
     return result, ms, result.tokens_per_step / (ms / 1000)
 
@@ -69,8 +73,6 @@ def run(model_cfg: TransformerConfig, args, steps: int, out: Path, **changes):
 def full_val_loss(result, args, block_size: int = 64, batch_size: int = 256) -> float:
     """Mean loss over EVERY non-overlapping window of the validation split: the 20-batch estimate without
     its sampling noise (20 batches of 12 x 64 characters cover ~14% of the split)."""
-    from mini_transformer.data import load_text, split_tokens
-
     ids = torch.tensor(result.tokenizer.encode(load_text(args.data)[0]))
     _, val = split_tokens(ids, block_size)
     n = (len(val) - 1) // block_size
@@ -104,61 +106,94 @@ def quality(args, vocab_size: int, work: Path) -> dict:
         cells = [f"{rows[n]['result'].evals[i][2]:.4f} ({rows[n]['result'].evals[i][1]:.4f})" for n in names]
         print(f"{int(evaluation[0]):>6} " + " ".join(f"{c:>18}" for c in cells))
     print(f"\n{'model':<13} {'params':>9} {'val (20 b)':>10} {'val (all)':>10} {'target':>7} {'ok':>4} "
-          f"{'ms/step':>8} {'tokens/s':>9} {'vs nanoGPT':>10}")
+          f"{'ms/step':>8} {'tokens/s':>9}")
     for n, row in rows.items():
         final, target = row["result"].evals[-1][2], MODELS[n][0]
         ok = "-" if target is None else "yes" if final <= target else "NO"
         target_cell = "-" if target is None else f"{target:.2f}"
         print(f"{n:<13} {row['params']:>9,} {final:>10.4f} {row['full']:>10.4f} {target_cell:>7} {ok:>4} "
-              f"{row['ms']:>8.1f} {row['tok_s']:>9.0f} {NANOGPT_MS / row['ms']:>9.2f}x")
-    print(f"nanoGPT: val {NANOGPT_VAL}, {NANOGPT_MS:.0f} ms/step; speed target <= {SPEED_TARGET_MS:.1f} ms/step")
+              f"{row['ms']:>8.1f} {row['tok_s']:>9.0f}")
     return rows
 
 
+def plain_loop_times(vocab_size: int, args, steps: int) -> list[float]:
+    """The reference: the gpt2 model trained by the plainest loop on the same kind of batches, with
+    torch.optim.AdamW at its defaults; nothing else (no schedule, clipping, accumulation or autocast)."""
+    torch.manual_seed(args.seed)
+    model = TransformerLM(gpt2_config(vocab_size)).to(args.device).train()
+    optimizer = torch.optim.AdamW(model.parameters())
+    text = load_text(args.data)[0]
+    train_data, _ = split_tokens(torch.tensor(CharTokenizer.train(text).encode(text)), 64)
+    generator = torch.Generator().manual_seed(args.seed)
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        x, y = get_batch(train_data, 12, 64, generator)  # (B, T), (B, T)
+        _, loss = model(x.to(args.device), y.to(args.device))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()  # our loop reads the loss every step too
+        times.append(time.perf_counter() - started)
+    return times[min(WARMUP_STEPS, steps // 2):]
+
+
 def speed(args, vocab_size: int, work: Path) -> list:
-    """Each switch on top of the previous one; ratios against the first row."""
+    """The plain loop, then each switch of ours on top of the previous one, taking turns for args.rounds
+    rounds; ratios against the plain loop."""
     variants = [
-        ("naive attention, foreach AdamW", dict(attn_backend="naive"), dict(fused_optimizer=False)),
-        ("sdpa attention, foreach AdamW", {}, dict(fused_optimizer=False)),
+        ("naive attention, per-tensor AdamW", dict(attn_backend="naive"), dict(fused_optimizer=False)),
+        ("sdpa attention, per-tensor AdamW", {}, dict(fused_optimizer=False)),
         ("sdpa attention, fused AdamW", {}, dict(fused_optimizer=True)),
     ]
     if args.compile:
         variants.append(("sdpa, fused AdamW, torch.compile", {}, dict(fused_optimizer=True, compile=True)))
-    rows = []
-    for label, model_changes, train_changes in variants:
-        print(f"\n== speed: {label}", flush=True)
-        _, ms, tok_s = run(gpt2_config(vocab_size, **model_changes), args, args.speed_steps, work / "speed",
-                           eval_interval=args.speed_steps, **train_changes)
-        rows.append((label, ms, tok_s))
-    print(f"\n{'configuration':<34} {'ms/step':>8} {'tokens/s':>9} {'speed-up':>9} {'vs nanoGPT':>10}")
-    for label, ms, tok_s in rows:
-        print(f"{label:<34} {ms:>8.1f} {tok_s:>9.0f} {rows[0][1] / ms:>8.2f}x {NANOGPT_MS / ms:>9.2f}x")
+    labels = [PLAIN_LOOP] + [label for label, _, _ in variants]
+    ms = {label: [] for label in labels}
+    for round_ in range(args.rounds):
+        print(f"\n== speed round {round_ + 1}/{args.rounds}: the plain loop, then {len(variants)} variants", flush=True)
+        ms[PLAIN_LOOP].append(1000 * statistics.median(plain_loop_times(vocab_size, args, args.speed_steps)))
+        for label, model_changes, train_changes in variants:
+            _, step_ms, _ = run(gpt2_config(vocab_size, **model_changes), args, args.speed_steps,
+                                work / f"speed-{round_}-{labels.index(label)}",
+                                eval_interval=args.speed_steps, **train_changes)
+            ms[label].append(step_ms)
+    tokens_per_step = 12 * 64
+    rows = [(label, statistics.median(ms[label])) for label in labels]
+    print(f"\n{'configuration':<36} {'ms/step':>8} {'tokens/s':>9} {'x plain loop':>12}   rounds (ms/step)")
+    for label, step_ms in rows:
+        # the ratio is paired: each round's plain loop against the same round's variant, then the median
+        ratio = statistics.median(p / v for p, v in zip(ms[PLAIN_LOOP], ms[label], strict=True))
+        each = " ".join(f"{m:.1f}" for m in ms[label])
+        print(f"{label:<36} {step_ms:>8.1f} {tokens_per_step / step_ms * 1000:>9.0f} {ratio:>11.2f}x   {each}")
     return rows
 
 
 def plot(rows: dict, speed_rows: list, path: str) -> None:
+    """Loss curves of the quality runs and/or step times of the speed variants, side by side."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4.5))
-    ax = fig.add_subplot(1, 2 if speed_rows else 1, 1)
-    for name, row in rows.items():
-        target, colour = MODELS[name]
-        evals = row["result"].evals
-        ax.plot([e[0] for e in evals], [e[2] for e in evals], "o-", color=colour, label=f"{name} val")
-        ax.plot([e[0] for e in evals], [e[1] for e in evals], "--", color=colour, alpha=0.6, label=f"{name} train")
-        if target is not None:
-            ax.axhline(target, color="grey", linestyle=":", linewidth=0.8)
-    ax.set(xlabel="step", ylabel="loss (nats / char)", title="tiny shakespeare, char level")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    panels = int(bool(rows)) + int(bool(speed_rows))
+    fig = Figure(figsize=(5.5 * panels + 0.5, 4.5))
+    if rows:
+        ax = fig.add_subplot(1, panels, 1)
+        for name, row in rows.items():
+            target, colour = MODELS[name]
+            evals = row["result"].evals
+            ax.plot([e[0] for e in evals], [e[2] for e in evals], "o-", color=colour, label=f"{name} val")
+            ax.plot([e[0] for e in evals], [e[1] for e in evals], "--", color=colour, alpha=0.6,
+                    label=f"{name} train")
+            if target is not None:
+                ax.axhline(target, color="grey", linestyle=":", linewidth=0.8)
+        ax.set(xlabel="step", ylabel="loss (nats / char)", title="tiny shakespeare, char level")
+        ax.grid(alpha=0.3)
+        ax.legend()
     if speed_rows:
-        bx = fig.add_subplot(1, 2, 2)
-        bx.barh([r[0] for r in speed_rows], [r[1] for r in speed_rows], color="tab:blue")
-        bx.axvline(NANOGPT_MS, color="tab:red", linestyle="--", label=f"nanoGPT {NANOGPT_MS:.0f} ms")
-        bx.axvline(SPEED_TARGET_MS, color="tab:green", linestyle=":", label=f"target {SPEED_TARGET_MS:.0f} ms")
-        bx.set(xlabel="ms / step (median)", title="training step time")
+        bx = fig.add_subplot(1, panels, panels)
+        colours = ["tab:grey" if r[0] == PLAIN_LOOP else "tab:blue" for r in speed_rows]
+        bx.barh([r[0] for r in speed_rows], [r[1] for r in speed_rows], color=colours)
+        bx.set(xlabel="ms / step (median)", title="step time (grey: the plain loop)")
         bx.invert_yaxis()
-        bx.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -169,7 +204,8 @@ def main() -> None:
     parser.add_argument("--data", default="shakespeare", help="shakespeare | PATH to tinyshakespeare.txt")
     parser.add_argument("--steps", type=int, default=2000, help="steps of the quality runs (0 = skip them)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--speed-steps", type=int, default=0, help="steps per speed variant (0 = skip)")
+    parser.add_argument("--speed-steps", type=int, default=0, help="steps per speed variant and round (0 = skip)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the speed variants, taken in turns")
     parser.add_argument("--compile", action="store_true", help="torch.compile the quality runs; add a speed row")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
     parser.add_argument("--device", default="cpu")
@@ -178,15 +214,12 @@ def main() -> None:
     parser.add_argument("--plot", metavar="PNG", help="write the loss curves (and step times) here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from mini_transformer.data import load_text
-    from mini_transformer.tokenizer import CharTokenizer
-
     vocab_size = CharTokenizer.train(load_text(args.data)[0]).vocab_size
     print(f"torch {torch.__version__}, {args.threads} threads, device {args.device}, vocab {vocab_size}")
     with tempfile.TemporaryDirectory() as tmp:
         rows = quality(args, vocab_size, Path(tmp)) if args.steps > 0 else {}
         speed_rows = speed(args, vocab_size, Path(tmp)) if args.speed_steps > 0 else []
-    if args.plot:
+    if args.plot and (rows or speed_rows):
         plot(rows, speed_rows, args.plot)
 
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mini_transformer import TransformerConfig, TransformerLM
-from mini_transformer.checkpoint import clean_state_dict, load_pretrained, load_state_into, save_pretrained
+from mini_transformer.checkpoint import CheckpointError, clean_state_dict, load_state_into, write_checkpoint
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -245,14 +245,6 @@ def test_own_config_has_model_type(tmp_path):
     assert TransformerConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"}).d_model == 64
 
 
-class CompiledLike(torch.nn.Module):
-    """What torch.compile returns: a wrapper holding the model as `_orig_mod` (without compiling)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self._orig_mod = model
-
-
 def test_prefixes_from_compile_and_ddp_are_removed(tmp_path):
     model = TransformerLM(TransformerConfig.from_preset("tiny"))
     prefixed = {f"module._orig_mod.{k}": v for k, v in model.state_dict().items()}
@@ -260,9 +252,9 @@ def test_prefixes_from_compile_and_ddp_are_removed(tmp_path):
     fresh = TransformerLM(TransformerConfig.from_preset("tiny"))
     load_state_into(fresh, prefixed)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
-    save_pretrained(CompiledLike(model), tmp_path)  # the wrapper is unwrapped, names stay clean
+    write_checkpoint(tmp_path, model.config, prefixed)  # names are written clean
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in load_file(str(tmp_path / "model.safetensors")))
-    assert load_pretrained(tmp_path).num_parameters() == model.num_parameters()
+    assert TransformerLM.from_pretrained(tmp_path).num_parameters() == model.num_parameters()
 
 
 def test_own_checkpoint_errors_name_the_tensor(tmp_path):
@@ -274,3 +266,58 @@ def test_own_checkpoint_errors_name_the_tensor(tmp_path):
     del state["blocks.0.attn.W_o.weight"]
     with pytest.raises(ValueError, match=r"missing tensors \['blocks\.0\.attn\.W_o\.weight'\]"):
         load_state_into(model, state)
+
+
+# ---- integrity and the direction of imports ---------------------------------------------------------
+
+
+def test_manifest_records_every_file_and_a_flipped_byte_is_named(tmp_path):
+    TransformerLM(TransformerConfig.from_preset("tiny")).save_pretrained(tmp_path)
+    recorded = json.loads((tmp_path / "manifest.json").read_text())["files"]
+    assert sorted(recorded) == ["config.json", "model.safetensors"]
+    weights = tmp_path / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit: same size, the tensor values just a little off
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors does not match the sha256"):
+        TransformerLM.from_pretrained(tmp_path)
+
+
+def test_hf_directory_needs_no_manifest_but_its_index_must_stay_inside(tmp_path):
+    hf = tiny_llama()
+    hf.save_pretrained(tmp_path)
+    assert not (tmp_path / "manifest.json").exists()
+    TransformerLM.from_pretrained(tmp_path)  # loads without one
+    (tmp_path / "model.safetensors").rename(tmp_path.parent / "elsewhere.safetensors")
+    for name in ("../elsewhere.safetensors", str(tmp_path.parent / "elsewhere.safetensors")):
+        index = {"weight_map": {"model.embed_tokens.weight": name}}
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(ValueError, match="outside the checkpoint directory"):
+            TransformerLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("file", ["config.json", "model.safetensors", "pytorch_model.bin"])
+def test_damaged_hf_files_are_named(tmp_path, file):
+    hf = tiny_gpt2()
+    hf.save_pretrained(tmp_path)
+    if file == "pytorch_model.bin":
+        (tmp_path / "model.safetensors").unlink()
+        torch.save(hf.state_dict(), tmp_path / file)
+    data = (tmp_path / file).read_bytes()
+    (tmp_path / file).write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=file.replace(".", r"\.")):
+        TransformerLM.from_pretrained(tmp_path)
+
+
+def test_checkpoint_and_hf_import_never_import_the_model():
+    """Data flows one way: transformer -> checkpoint -> hf_import -> config."""
+    import ast
+    from pathlib import Path
+
+    import mini_transformer
+
+    package = Path(mini_transformer.__file__).parent
+    for module in ("checkpoint.py", "hf_import.py"):
+        tree = ast.parse((package / module).read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not imported & {"transformer", "train", "train_io", "generate", "cli"}, (module, imported)

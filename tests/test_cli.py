@@ -86,6 +86,47 @@ def test_bench_rejects_unknown_names():
         main(["bench", "nothing"])
 
 
+def test_failures_are_one_line_and_debug_shows_the_traceback(capsys, monkeypatch):
+    from mini_transformer import cli
+
+    def broken(args):
+        raise RuntimeError("something inside broke\nover two lines")
+
+    monkeypatch.setattr(cli, "_run_info", broken)  # the parser is built inside main(): it takes this one
+    assert main(["info"]) == 1  # not a user error: exit 1, still one line
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error: RuntimeError: something inside broke over two lines" in err
+    assert "--debug" in err
+    for argv in (["--debug", "info"], ["info", "--debug"]):
+        with pytest.raises(RuntimeError, match="something inside broke"):
+            main(argv)
+
+
+def test_interrupt_is_one_line(capsys, monkeypatch):
+    from mini_transformer import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_run_info", interrupted)
+    assert main(["info"]) == 130
+    assert capsys.readouterr().err == "mini-transformer info: interrupted\n"
+
+
+@pytest.mark.parametrize("device, words", [("foo", "not a device name"), ("cuda:7", "not available"),
+                                           ("meta", "not a device name")])
+@pytest.mark.parametrize("command", ["train", "sample"])
+def test_a_device_that_is_not_there_is_named(tmp_path, capsys, command, device, words):
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has that GPU")
+    extra = ["--checkpoint", str(tmp_path), "--prompt", "a"] if command == "sample" else ["--out", str(tmp_path)]
+    assert main([command, "--device", device, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"device={device!r}" in err and words in err
+
+
 # ---- MoE: total vs active parameters, and the router in the trace ---------------------------------
 
 

@@ -36,7 +36,7 @@ def test_presets_build(name):
     assert TransformerConfig.from_dict(cfg.to_dict()) == cfg
 
 
-def test_tiny_preset_is_the_seed_debug_config():
+def test_tiny_preset_has_the_debug_sizes():
     cfg = TransformerConfig.from_preset("tiny")
     sizes = (cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.n_layer, cfg.max_seq_len)
     assert sizes == (100, 64, 4, 256, 2, 32)
@@ -68,6 +68,10 @@ def test_preset_overrides():
         (dict(rope_theta=0.0), ["rope_theta"]),
         (dict(norm_eps=-1.0), ["norm_eps"]),
         (dict(init_std=0.0), ["init_std=0.0", "positive"]),
+        (dict(norm_eps=math.inf), ["norm_eps=inf", "finite"]),
+        (dict(rope_theta=math.inf), ["rope_theta=inf", "finite"]),
+        (dict(rope_theta=math.nan), ["rope_theta=nan"]),
+        (dict(init_std=math.inf), ["init_std=inf"]),
         (dict(d_model=36, n_heads=4, pos_emb="rope"), ["even d_head", "d_head=9"]),
     ],
 )

@@ -30,12 +30,11 @@ def test_cache_dir_follows_the_environment(cache):
     assert data.cache_dir() == cache[0]
 
 
-def test_real_sha_matches_the_shared_copy_when_present():
-    shared = "/work/shared/data/tinyshakespeare.txt"
+def test_real_sha_matches_the_cached_copy_when_present():
     try:
-        raw = open(shared, "rb").read()
+        raw = (data.cache_dir() / data.SHAKESPEARE_FILE).read_bytes()
     except OSError:
-        pytest.skip("no local copy of tiny shakespeare")
+        pytest.skip("no cached copy of tiny shakespeare")
     assert hashlib.sha256(raw).hexdigest() == data.SHAKESPEARE_SHA256 and len(raw.decode()) == 1_115_394
 
 
@@ -137,3 +136,10 @@ def test_batches_are_seeded_and_rank_slices_make_the_global_batch():
         get_batch(stream, 4, 16, torch.Generator(), rank=2, world_size=2)
     with pytest.raises(ValueError, match="block_size \\+ 1 = 17"):
         get_batch(torch.arange(16), 1, 16, torch.Generator())
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.txt' is not UTF-8 text \(byte 0xe9 at offset 3\)"):
+        load_text(path)

@@ -11,7 +11,7 @@ from mini_transformer.kv_cache import NoCache
 
 BACKENDS = ["naive", "sdpa"]
 VARIANTS = [
-    dict(),  # the seed's stage 1: learned positions, LayerNorm, GELU, pre-norm
+    dict(),  # stage 1: learned positions, LayerNorm, GELU, pre-norm
     dict(norm_position="post"),
     dict(pos_emb="rope", norm="rmsnorm", ffn="swiglu", n_kv_heads=2, bias=False, tie_weights=False),
 ]
@@ -46,14 +46,14 @@ def test_loss_ignores_minus_100_and_never_nan():
     assert empty.item() == 0.0
 
 
-def test_fused_qkv_split_equals_the_seed_permute():
+def test_fused_qkv_split_equals_the_classic_permute():
     model = tiny()
     attn = model.blocks[0].attn
     x = torch.randn(2, 5, 64)
     qkv = attn.W_qkv(x)  # (B, T, 3C)
-    seed_q, seed_k, seed_v = qkv.view(2, 5, 3, 4, 16).permute(2, 0, 3, 1, 4).unbind(0)  # the seed's layout
+    classic_q, classic_k, classic_v = qkv.view(2, 5, 3, 4, 16).permute(2, 0, 3, 1, 4).unbind(0)  # (3, B, H, T, D)
     ours = qkv.view(2, 5, 12, 16).transpose(1, 2).split([4, 4, 4], dim=1)
-    for a, b in zip((seed_q, seed_k, seed_v), ours, strict=True):
+    for a, b in zip((classic_q, classic_k, classic_v), ours, strict=True):
         assert torch.equal(a, b)
 
 

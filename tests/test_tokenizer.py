@@ -76,3 +76,16 @@ def test_bpe_and_build_errors(tmp_path):
         build_tokenizer("words", TEXT)
     with pytest.raises(ValueError, match="no tokenizer"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe", b"[1, 2]", b'{"kind": "char", "chars": ["a", "a"]}'])
+def test_a_damaged_vocab_json_is_named(tmp_path, content):
+    (tmp_path / "vocab.json").write_bytes(content)
+    with pytest.raises(ValueError, match="vocab.json"):
+        load_tokenizer(tmp_path)
+
+
+def test_a_damaged_tokenizer_json_is_named(tmp_path):
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    with pytest.raises(ValueError, match="tokenizer.json cannot be read"):
+        load_tokenizer(tmp_path)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from mini_transformer import TransformerConfig, TransformerLM
 from mini_transformer import train as train_module
-from mini_transformer.checkpoint import load_pretrained
+from mini_transformer.checkpoint import write_manifest
 from mini_transformer.cli import main
 from mini_transformer.tokenizer import CharTokenizer, load_tokenizer
 from mini_transformer.train import TrainConfig, TrainingDiverged, lr_at, make_optimizer, train
@@ -121,7 +121,7 @@ def test_run_learns_and_writes_complete_checkpoints(corpus, tmp_path):
     state = torch.load(tmp_path / "last" / TRAIN_STATE_FILE, weights_only=True)
     assert state["step"] == 30 and set(state["optimizer"]) == {"state", "param_groups"}
     assert isinstance(state["batch_rng"], torch.Tensor) and isinstance(state["torch_rng"], torch.Tensor)
-    reloaded = load_pretrained(tmp_path / "last")
+    reloaded = TransformerLM.from_pretrained(tmp_path / "last")
     for name, tensor in result.model.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name
     assert load_tokenizer(tmp_path / "last").chars == result.tokenizer.chars
@@ -183,7 +183,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path, mon
     with pytest.raises(TrainingDiverged, match=r"loss is nan at step 15.*last"):
         train(tiny_run(corpus, tmp_path, eval_interval=5), model_config())
     assert load_train_state(tmp_path / "last")["step"] == 10
-    model = load_pretrained(tmp_path / "last")
+    model = TransformerLM.from_pretrained(tmp_path / "last")
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -211,11 +211,12 @@ def test_compiled_and_ddp_prefixed_weights_load(tmp_path):
     assert all(k.startswith("_orig_mod.") for k in compiled.state_dict())
     save_checkpoint(tmp_path / "c", compiled, CharTokenizer(list("abcde")), {"step": 0})
     assert not any("_orig_mod" in k for k in load_file(str(tmp_path / "c" / "model.safetensors")))
-    loaded = load_pretrained(tmp_path / "c")
+    loaded = TransformerLM.from_pretrained(tmp_path / "c")
     # A state dict saved by hand from DDP(torch.compile(model)) carries both prefixes.
     prefixed = {f"module._orig_mod.{k}": v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(prefixed, str(tmp_path / "c" / "model.safetensors"))
-    loaded_prefixed = load_pretrained(tmp_path / "c")
+    write_manifest(tmp_path / "c")  # a file replaced by hand needs its sha256 recorded again
+    loaded_prefixed = TransformerLM.from_pretrained(tmp_path / "c")
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
         assert torch.equal(loaded_prefixed.state_dict()[name], tensor), name
@@ -257,8 +258,8 @@ def test_ddp_two_processes_equal_one_process_on_the_combined_batch(corpus, tmp_p
     assert ddp["world_size"] == 2 and one["world_size"] == 1
     assert ddp["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert not math.isnan(ddp["best_val_loss"])
-    ddp_model, one_model = load_pretrained(tmp_path / "ddp" / "last"), load_pretrained(tmp_path / "one" / "last")
-    assert_same_weights(ddp_model, one_model)
+    ddp_model = TransformerLM.from_pretrained(tmp_path / "ddp" / "last")
+    assert_same_weights(ddp_model, TransformerLM.from_pretrained(tmp_path / "one" / "last"))
 
 
 def test_bpe_run_saves_tokenizer_json_and_matches_vocab(corpus, tmp_path):
@@ -269,4 +270,4 @@ def test_bpe_run_saves_tokenizer_json_and_matches_vocab(corpus, tmp_path):
     assert main(args) == 0
     tokenizer = load_tokenizer(out / "best")
     assert (out / "best" / "tokenizer.json").is_file() and tokenizer.kind == "bpe"
-    assert load_pretrained(out / "best").config.vocab_size == tokenizer.vocab_size <= 300
+    assert TransformerLM.from_pretrained(out / "best").config.vocab_size == tokenizer.vocab_size <= 300

@@ -1,20 +1,39 @@
-"""Saving and loading weights: our own format (model.safetensors + config.json), and the entry point
-that also reads local Hugging Face GPT-2 / Llama directories (the mapping lives in hf_import.py)."""
+"""Checkpoint files: our own format (config.json + model.safetensors + manifest.json), and the reader
+that also takes local Hugging Face GPT-2 / Llama directories (their mapping lives in hf_import.py).
+
+This module speaks TransformerConfig and state dicts; it never imports the model. TransformerLM's
+`from_pretrained` / `save_pretrained` call down into `read_checkpoint` / `write_checkpoint`, so data
+flows one way: transformer -> checkpoint -> hf_import -> config.
+
+Integrity: every directory we write ends with `manifest.json`, the size and sha256 of each file in it,
+written last. Loading checks the manifest before reading anything else and refuses NaN / inf weights,
+so a damaged file is named instead of silently decoding junk.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import TransformerConfig
 from .hf_import import config_from_hf, convert_hf_state, read_hf_weights
-from .transformer import TransformerLM
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+MANIFEST_NAME = "manifest.json"
+MODEL_TYPE = "mini-transformer"
+CHECKPOINT_NAMES = ("best", "last")  # the two checkpoints of a run directory
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, unreadable, or differs from what its manifest recorded."""
 
 
 def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -28,19 +47,105 @@ def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return cleaned
 
 
-def save_pretrained(model: TransformerLM, path: str | Path) -> None:
-    """Write config.json and model.safetensors. A tied head is stored once (as tok_emb.weight)."""
+# ------------------------------------------------------------------------------------ the manifest
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(directory: str | Path) -> None:
+    """Record the size and sha256 of every file in `directory`. Call it after the last file is written."""
+    directory = Path(directory)
+    files = sorted(p for p in directory.iterdir() if p.is_file() and p.name != MANIFEST_NAME)
+    entries = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in files}
+    (directory / MANIFEST_NAME).write_text(json.dumps({"files": entries}, indent=2))
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`; CheckpointError naming the file when it is not one."""
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(value).__name__}; expected an object")
+    return value
+
+
+def verify_manifest(directory: Path) -> None:
+    """Every file the manifest lists is there with its recorded size and sha256, else CheckpointError."""
+    manifest = directory / MANIFEST_NAME
+    if not manifest.is_file():
+        raise CheckpointError(f"{manifest} is missing, so the checkpoint's files cannot be verified "
+                              f"(mini-transformer writes one into every checkpoint)")
+    entries = read_json(manifest).get("files")
+    if not isinstance(entries, dict) or not all(isinstance(e, dict) for e in entries.values()):
+        raise CheckpointError(f"{manifest} has no 'files' table of {{name: {{bytes, sha256}}}}")
+    for name, entry in entries.items():
+        path = directory / name
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise CheckpointError(f"{manifest} lists {name!r}, which is not a file name inside the checkpoint")
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing (it is listed in {MANIFEST_NAME})")
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            raise CheckpointError(f"{path} has {size} bytes but {MANIFEST_NAME} recorded {entry.get('bytes')} "
+                                  f"(truncated or overwritten)")
+        if file_sha256(path) != entry.get("sha256"):
+            raise CheckpointError(f"{path} does not match the sha256 recorded in {MANIFEST_NAME} (damaged)")
+
+
+def previous_dir(path: Path) -> Path:
+    """Where a save keeps the previous checkpoint between its two renames (see train_io.save_checkpoint)."""
+    return path.with_name(f".{path.name}.old")
+
+
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """`path`, or the previous checkpoint under its `.NAME.old` name when a kill fell between the two
+    renames of a save (then `path` itself does not exist for a moment)."""
+    path = Path(path)
+    if not path.exists() and previous_dir(path).is_dir():
+        return previous_dir(path)
+    return path
+
+
+def verify_checkpoint(path: Path) -> None:
+    """verify_manifest, with a pointer to the run's other checkpoint (best <-> last) when that one is sound."""
+    try:
+        verify_manifest(path)
+    except CheckpointError as err:
+        name = path.name.removeprefix(".").removesuffix(".old")
+        if name in CHECKPOINT_NAMES:
+            other = path.parent / CHECKPOINT_NAMES[1 - CHECKPOINT_NAMES.index(name)]
+            try:
+                verify_manifest(resolve_checkpoint_dir(other))
+            except CheckpointError:
+                raise err from None
+            raise CheckpointError(f"{err}; the run's other checkpoint {other} passes its checks: use it") from None
+        raise
+
+
+# ---------------------------------------------------------------------------------- write and read
+def write_checkpoint(path: str | Path, config: TransformerConfig, state_dict: dict[str, torch.Tensor], *,
+                     manifest: bool = True) -> None:
+    """Write config.json, model.safetensors and manifest.json. A tied head is stored once (as tok_emb.weight).
+
+    The old manifest goes first and the new one comes last, so a save killed half-way leaves a
+    directory that loading refuses instead of one that mixes two models. `manifest=False` leaves it
+    to the caller, who adds more files first."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model = getattr(model, "_orig_mod", model)
-    state = clean_state_dict(model.state_dict())
-    if model.config.tie_weights:
+    (path / MANIFEST_NAME).unlink(missing_ok=True)
+    state = clean_state_dict(state_dict)
+    if config.tie_weights:
         state.pop("lm_head.weight", None)
     save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path / WEIGHTS_NAME))
-    (path / CONFIG_NAME).write_text(json.dumps({"model_type": "mini-transformer", **model.config.to_dict()}, indent=2))
+    (path / CONFIG_NAME).write_text(json.dumps({"model_type": MODEL_TYPE, **config.to_dict()}, indent=2))
+    if manifest:
+        write_manifest(path)
 
 
-def load_state_into(model: TransformerLM, state: dict[str, torch.Tensor]) -> None:
+def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy `state` into `model`, raising ValueError on a missing, extra or mis-shaped tensor."""
     state = clean_state_dict(state)
     expected = model.state_dict()
@@ -60,27 +165,45 @@ def load_state_into(model: TransformerLM, state: dict[str, torch.Tensor]) -> Non
     model.load_state_dict(state, strict=False)
 
 
-def load_pretrained(path: str | Path, *, device: str | torch.device = "cpu", **overrides) -> TransformerLM:
-    """Load a directory written by `save_pretrained`, or a local Hugging Face GPT-2 / Llama directory
-    (config.json + model.safetensors or pytorch_model.bin). Never touches the network.
+def check_finite(state: dict[str, torch.Tensor], path: Path) -> None:
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{path}: tensor {name!r} holds NaN or inf values; refusing to load it")
 
-    `overrides` change config fields (e.g. attn_backend="sdpa"). The model comes back in eval mode
-    (dropout off), like Hugging Face's from_pretrained; call .train() to fine-tune.
-    """
-    path = Path(path)
+
+def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig], torch.nn.Module],
+                    **overrides) -> torch.nn.Module:
+    """Build a model with `make_model(config)` and fill it from a directory written by `write_checkpoint`
+    or from a local Hugging Face GPT-2 / Llama directory. Never touches the network.
+
+    Ours must pass its manifest; a HF directory (no manifest) may name only files inside itself.
+    `overrides` change config fields (e.g. attn_backend="sdpa")."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path={path!r} must be a directory path (str or os.PathLike)")
+    path = resolve_checkpoint_dir(path)
+    has_manifest = (path / MANIFEST_NAME).exists()
+    if has_manifest:
+        verify_checkpoint(path)  # first: a damaged file is named before anything reads it
     config_file = path / CONFIG_NAME
     if not config_file.is_file():
         raise ValueError(f"path={str(path)!r} has no {CONFIG_NAME}; expected a checkpoint directory")
-    raw = json.loads(config_file.read_text())
-    if raw.get("model_type") == "mini-transformer":
-        raw.pop("model_type")
-        model = TransformerLM(TransformerConfig.from_dict({**raw, **overrides}))
+    raw = read_json(config_file)
+    ours = raw.get("model_type") == MODEL_TYPE
+    if ours and not has_manifest:
+        verify_checkpoint(path)  # names the missing manifest, and the run's other checkpoint if sound
+    if ours:
+        raw.pop("model_type", None)
+        model = make_model(TransformerConfig.from_dict({**raw, **overrides}))
         weights = path / WEIGHTS_NAME
         if not weights.is_file():
-            raise ValueError(f"path={str(path)!r} has no {WEIGHTS_NAME}; expected the weights next to {CONFIG_NAME}")
-        load_state_into(model, load_file(str(weights)))
+            raise CheckpointError(f"{weights} is missing; expected the weights next to {CONFIG_NAME}")
+        try:
+            state = load_file(str(weights))
+        except SafetensorError as err:
+            raise CheckpointError(f"{weights} cannot be read ({err})") from None
     else:  # a Hugging Face directory: an unknown architecture raises ValueError here
-        model = TransformerLM(config_from_hf(raw, **overrides))
+        model = make_model(config_from_hf(raw, **overrides))
         state = convert_hf_state(read_hf_weights(path), raw, model.config, model.state_dict())
-        load_state_into(model, state)
-    return model.to(device).eval()
+    check_finite(state, path)
+    load_state_into(model, state)
+    return model

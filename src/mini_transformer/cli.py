@@ -121,9 +121,11 @@ class _TextStream:
 def _run_sample(args) -> None:
     import torch
 
+    from .checkpoint import resolve_checkpoint_dir
     from .generate import generate_long
     from .sampling import SamplingParams
     from .tokenizer import load_tokenizer
+    from .train import resolve_device
     from .transformer import TransformerLM
 
     prompts = _read_prompts(args)
@@ -133,22 +135,24 @@ def _run_sample(args) -> None:
         max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
     )
-    tokenizer = load_tokenizer(args.checkpoint)
-    model = TransformerLM.from_pretrained(args.checkpoint, device=args.device)
+    device = resolve_device(args.device)
+    checkpoint = resolve_checkpoint_dir(args.checkpoint)  # `best` is found even mid-save
+    model = TransformerLM.from_pretrained(checkpoint, device=device)  # verifies the manifest first
+    tokenizer = load_tokenizer(checkpoint)
     out = sys.stdout
     if args.tensor_parallel:  # every rank runs the same loop on its shard; only rank 0 prints
         if len(prompts) > 1:
             raise ValueError("--tensor-parallel continues one --prompt (several go through the engine, one process)")
         from .parallel.tp import shard_for_command_line
 
-        out = shard_for_command_line(model, args.device)
+        out = shard_for_command_line(model, device)
     if len(prompts) > 1:
         _sample_with_engine(model, tokenizer, prompts, params)
         return
     prompt_ids = tokenizer.encode(prompts[0])
     if not prompt_ids:
         raise ValueError("--prompt is empty; give at least one character of text to continue")
-    idx = torch.tensor([prompt_ids], dtype=torch.long, device=args.device)  # (1, T)
+    idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, T)
     stream = _TextStream(tokenizer, out, prompts[0])
     # past max_seq_len generate_long slides the context window (re-prefilling its second half)
     generate_long(model, idx, params, eos_token_id=tokenizer.eos_token_id, use_cache=not args.no_cache,
@@ -193,6 +197,7 @@ def _sample_with_engine(model, tokenizer, prompts: list[str], params) -> None:
 
 
 # ---------------------------------------------------------------------------------------- train
+DEFAULT_TRAIN_PRESET = "shakespeare-char"
 _TRAIN_FLAGS = {  # flag -> (TrainConfig field, type, help)
     "--tokenizer": ("tokenizer", str, "char (default) or bpe"),
     "--vocab-size": ("bpe_vocab_size", int, "BPE vocabulary size (with --tokenizer bpe)"),
@@ -215,12 +220,14 @@ _TRAIN_FLAGS = {  # flag -> (TrainConfig field, type, help)
 def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a model on text (tiny shakespeare by default), then sample from it")
     p.add_argument("--data", help="shakespeare | pydoc | PATH (default: shakespeare, or pydoc when offline)")
-    p.add_argument("--preset", default="shakespeare-char", choices=sorted(PRESETS))
+    p.add_argument("--preset", choices=sorted(PRESETS), help=f"the model (default {DEFAULT_TRAIN_PRESET})")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a model or training config field, e.g. --set pos_emb=rope --set min_lr=3e-4")
     p.add_argument("--max-steps", type=int, help="optimizer steps to train (default 2000)")
     p.add_argument("--out", help="run directory (default out/<preset>); checkpoints go to OUT/best and OUT/last")
     p.add_argument("--resume", metavar="DIR", help="continue a run from its directory or a checkpoint directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --out (its checkpoints are deleted); default: refuse")
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     p.add_argument("--fsdp", action="store_true", default=None,
                    help="under torchrun: shard weights, gradients and optimizer state (FSDP2) instead of DDP")
@@ -250,26 +257,26 @@ def train_configs_from_args(args):
     if args.resume:  # the run continues with its saved settings; what is given here overrides them
         from .train_io import find_checkpoint, load_train_state
 
+        if args.preset is not None:
+            raise ValueError("--preset cannot be combined with --resume: the model comes from the checkpoint "
+                             "(change single fields with --set KEY=VALUE)")
         checkpoint = find_checkpoint(args.resume)
         saved = load_train_state(checkpoint)["train_config"]
         given.setdefault("out_dir", str(checkpoint.parent))  # keep writing next to the checkpoint resumed from
         return TrainConfig.from_dict({**saved, **given}), model_set
-    given.setdefault("out_dir", str(Path("out") / args.preset))
+    preset = args.preset or DEFAULT_TRAIN_PRESET
+    given.setdefault("out_dir", str(Path("out") / preset))
     if "vocab_size" in model_set:
         raise ValueError("--set vocab_size is not allowed for train: the vocabulary comes from the tokenizer "
                          "(use --tokenizer bpe --vocab-size N)")
-    return TrainConfig.from_dict(given), TransformerConfig.from_preset(args.preset, **model_set)
+    return TrainConfig.from_dict(given), TransformerConfig.from_preset(preset, **model_set)
 
 
 def _run_train(args) -> None:
-    from .data import DatasetUnavailable
-    from .train import TrainingDiverged, train
+    from .train import train
 
     train_cfg, model_cfg = train_configs_from_args(args)
-    try:
-        result = train(train_cfg, model_cfg, resume=args.resume)
-    except (TrainingDiverged, DatasetUnavailable) as err:
-        raise SystemExit(f"mini-transformer train: {err}") from None
+    result = train(train_cfg, model_cfg, resume=args.resume, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:
         best = Path(result.out_dir) / "best"
         print(f"best val loss {result.best_val_loss:.4f}; loss curve {Path(result.out_dir) / 'loss.png'}")
@@ -311,24 +318,55 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mini-transformer", description="A decoder-only Transformer written by hand in PyTorch."
     )
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_info(sub)
     _add_trace(sub)
     _add_sample(sub)
     _add_train(sub)
     _add_bench(sub)
+    for command in sub.choices.values():  # `--debug` also works after the command's name
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Failures a user can cause (bad values, files, data, a diverging run, too big a model): one line each."""
+    import torch
+    from safetensors import SafetensorError
+
+    from .data import DatasetUnavailable
+    from .train_io import TrainingDiverged
+
+    return (ValueError, TypeError, OSError, SafetensorError, DatasetUnavailable, TrainingDiverged, MemoryError,
+            torch.OutOfMemoryError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Every failure is one line on stderr and a non-zero exit (2: the input, 1: a bug
+    or the environment); `--debug` shows the traceback instead."""
     args = build_parser().parse_args(argv)
+    prefix = f"mini-transformer {args.command}"
     try:
         args.func(args)
-    except (ValueError, TypeError) as err:
-        print(f"mini-transformer {args.command}: error: {err}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # output piped into `head` and closed early: not an error
         sys.stderr.close()
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"{prefix}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if args.debug:
+            raise
+        message = " ".join(str(err).split()) or type(err).__name__  # one line, whatever the exception held
+        out_of_memory = isinstance(err, RuntimeError) and "can't allocate memory" in message  # CPU allocator
+        if isinstance(err, _user_errors()) or out_of_memory:
+            print(f"{prefix}: error: {message}", file=sys.stderr)
+            return 2
+        print(f"{prefix}: internal error: {type(err).__name__}: {message} (rerun with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -158,8 +158,8 @@ class TransformerConfig(DictIO):
             self.init_std = small_init_std(self.d_model)
         for name in ("rope_theta", "norm_eps", "init_std"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"{name}={value!r} must be a positive number")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ValueError(f"{name}={value!r} must be a positive finite number")
 
     def _check_family_and_moe_switches(self) -> None:
         if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
@@ -192,7 +192,7 @@ class TransformerConfig(DictIO):
 
 
 PRESETS: dict[str, dict] = {
-    # The seed's debug configuration: small enough to trace by eye.
+    # The debug model: small enough to trace by eye.
     "tiny": dict(vocab_size=100, d_model=64, n_heads=4, d_ff=256, n_layer=2, max_seq_len=32),
     # GPT-2 small (124M): learned positions, LayerNorm, GELU (tanh form), biases, tied head.
     "gpt2-small": dict(

@@ -94,7 +94,11 @@ def load_text(source: str | os.PathLike | None = None) -> tuple[str, str]:
     path = Path(source).expanduser()
     if not path.is_file():
         raise ValueError(f"data={str(source)!r} is neither a dataset ({', '.join(DATASETS)}) nor an existing file")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"data={str(source)!r} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                         f"{err.start}); convert it to UTF-8 first") from None
     if not text:
         raise ValueError(f"data={str(source)!r} is an empty file")
     return text, str(path)

@@ -11,10 +11,12 @@ Every HF tensor is checked: a missing, unexpected or mis-shaped one raises Value
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .config import TransformerConfig
@@ -221,18 +223,43 @@ def convert_hf_state(
     return converted
 
 
+def _read_weight_file(file: Path) -> dict[str, torch.Tensor]:
+    """One safetensors or pickle-free torch file; ValueError naming it when it cannot be read."""
+    try:
+        if file.suffix == ".safetensors":
+            return load_file(str(file))
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except (SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError, OSError) as err:
+        raise ValueError(f"{file} cannot be read ({type(err).__name__}: {err})") from None
+
+
+def weight_files(path: Path, weights_name: str) -> list[Path]:
+    """The files holding `weights_name`: itself, or the shards its `.index.json` names. Every named file
+    must lie inside `path` (a crafted index must not make us read elsewhere)."""
+    index = path / f"{weights_name}.index.json"
+    if not index.is_file():
+        return [path / weights_name] if (path / weights_name).is_file() else []
+    try:
+        weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{index} is not a valid index: expected JSON with a 'weight_map' object ({err})") from None
+    files = []
+    for name in names:  # checked by name, not by resolving links: HF's cache links each file to a blob
+        parts = Path(str(name)).parts
+        if not parts or Path(str(name)).is_absolute() or ".." in parts:
+            raise ValueError(f"{index} names {name!r}, which lies outside the checkpoint directory {path}")
+        files.append(path / str(name))
+    return files
+
+
 def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a HF directory: model.safetensors, pytorch_model.bin, or their sharded *.index.json."""
     for weights_name in ("model.safetensors", "pytorch_model.bin"):
-        index = path / f"{weights_name}.index.json"
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-            else [weights_name] if (path / weights_name).is_file() else []
+        files = weight_files(path, weights_name)
         state = {}
         for file in files:
-            if file.endswith(".safetensors"):
-                state.update(load_file(str(path / file)))
-            else:
-                state.update(torch.load(path / file, map_location="cpu", weights_only=True))
+            state.update(_read_weight_file(file))
         if files:
             return state
     raise ValueError(f"path={str(path)!r} has no model.safetensors or pytorch_model.bin (nor a sharded index)")

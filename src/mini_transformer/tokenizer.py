@@ -110,16 +110,28 @@ class BPETokenizer:
 
 
 def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:
-    """Read the tokenizer saved in a checkpoint directory (ours, or a Hugging Face tokenizer.json)."""
+    """Read the tokenizer saved in a checkpoint directory (ours, or a Hugging Face tokenizer.json).
+    A damaged file is a ValueError naming it."""
     path = Path(path)
     if (path / CHAR_VOCAB_FILE).is_file():
-        data = json.loads((path / CHAR_VOCAB_FILE).read_text())
-        if data.get("kind") == "char":
+        file = path / CHAR_VOCAB_FILE
+        try:
+            data = json.loads(file.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{file} is not valid JSON ({err})") from None
+        if not isinstance(data, dict) or data.get("kind") != "char" or not isinstance(data.get("chars"), list):
+            raise ValueError(f"{file} is not a character vocabulary: expected {{\"kind\": \"char\", \"chars\": [...]}}")
+        try:
             return CharTokenizer(data["chars"])
+        except ValueError as err:
+            raise ValueError(f"{file}: {err}") from None
     if (path / BPE_FILE).is_file():
         from tokenizers import Tokenizer
 
-        return BPETokenizer(Tokenizer.from_file(str(path / BPE_FILE)))
+        try:
+            return BPETokenizer(Tokenizer.from_file(str(path / BPE_FILE)))
+        except Exception as err:  # the Rust library raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{path / BPE_FILE} cannot be read as a tokenizer ({err})") from None
     raise ValueError(f"no tokenizer found in {str(path)!r}: expected {CHAR_VOCAB_FILE} or {BPE_FILE}")
 
 

@@ -5,7 +5,8 @@
 Run under `torchrun --nproc_per_node=N` the same function trains data-parallel: every rank takes its
 slice of each global batch, DDP averages the gradients, and only rank 0 evaluates, prints and writes.
 A run directory holds `last/` (written at every eval, used by --resume) and `best/` (lowest val loss),
-each a complete checkpoint: model.safetensors, config.json, the tokenizer and train_state.pt.
+each a complete checkpoint: model.safetensors, config.json, the tokenizer, train_state.pt and
+manifest.json (the sha256 of each file, checked whenever the checkpoint is loaded).
 """
 
 from __future__ import annotations
@@ -21,97 +22,22 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from .config import DictIO, TransformerConfig, _check_choice, _check_positive_int
+from .config import TransformerConfig
 from .data import get_batch, load_text, split_tokens
-from .tokenizer import build_tokenizer
-from .train_io import TrainingDiverged, find_checkpoint, finish_run, load_train_state, save_checkpoint
+from .tokenizer import build_tokenizer, load_tokenizer
+from .train_config import TrainConfig
+from .train_io import (
+    END_OF_RUN_FILES,
+    TrainingDiverged,
+    find_checkpoint,
+    finish_run,
+    load_train_state,
+    prepare_out_dir,
+    save_checkpoint,
+)
 from .transformer import TransformerLM
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-TOKENIZERS = ("char", "bpe")
-
 __all__ = ["TrainConfig", "TrainResult", "TrainingDiverged", "lr_at", "make_optimizer", "train"]
-
-
-@dataclass
-class TrainConfig(DictIO):
-    """Everything about HOW to train (the model's shape lives in TransformerConfig).
-
-    Defaults reproduce nanoGPT's CPU "baby" Shakespeare run.
-    """
-
-    data: str | None = None  # shakespeare | pydoc | a file path; None = shakespeare, else pydoc
-    tokenizer: str = "char"  # char | bpe
-    bpe_vocab_size: int = 1024  # only for tokenizer="bpe"
-    batch_size: int = 12  # sequences per micro-batch, per rank
-    block_size: int | None = None  # tokens per sequence; None = the model's max_seq_len
-    grad_accum_steps: int = 1  # micro-batches summed into one update
-    max_steps: int = 2000  # optimizer updates
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int | None = None  # None = min(100, a tenth of the decay steps)
-    lr_decay_steps: int | None = None  # where the cosine reaches min_lr; None = max_steps
-    weight_decay: float = 0.1  # on >= 2-D weights only
-    beta1: float = 0.9
-    beta2: float = 0.99
-    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
-    eval_interval: int = 250
-    eval_batches: int = 20
-    seed: int = 1337
-    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
-    precision: str = "auto"  # auto (bf16/fp16 autocast on CUDA, fp32 elsewhere) | fp32 | bf16 | fp16
-    compile: bool = False
-    fused_optimizer: bool = True  # one fused AdamW kernel instead of a loop over tensors
-    out_dir: str = "out"
-    num_samples: int = 2  # texts sampled at the end
-    sample_tokens: int = 300
-    progress: bool = True
-    fsdp: bool = False  # under torchrun: FSDP2 shards weights, grads and AdamW state (parallel/fsdp.py), not DDP
-
-    def __post_init__(self) -> None:
-        _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
-        _check_choice("precision", self.precision, PRECISIONS)
-        for name in ("bpe_vocab_size", "batch_size", "grad_accum_steps", "max_steps", "eval_interval",
-                     "eval_batches", "sample_tokens"):
-            _check_positive_int(name, getattr(self, name))
-        for name in ("block_size", "lr_decay_steps"):
-            if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
-        for name in ("num_samples", "seed", "warmup_steps"):
-            value = getattr(self, name)
-            if name == "warmup_steps" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}={value!r} must be a non-negative integer")
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
-                raise ValueError(f"{name}={value!r} must be a non-negative finite number")
-        if self.lr <= 0 or self.min_lr > self.lr:
-            raise ValueError(f"need 0 < min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
-        for name in ("beta1", "beta2"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
-                raise ValueError(f"{name}={value!r} must be in [0, 1)")
-        if self.warmup_steps is not None and self.warmup_steps >= self.decay_steps:
-            raise ValueError(
-                f"warmup_steps={self.warmup_steps} must be smaller than lr_decay_steps (or max_steps)="
-                f"{self.decay_steps}"
-            )
-        for name in ("compile", "fused_optimizer", "progress", "fsdp"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
-        for name in ("device", "out_dir"):
-            if not isinstance(getattr(self, name), str):
-                raise TypeError(f"{name}={getattr(self, name)!r} must be a string")
-
-    @property
-    def decay_steps(self) -> int:
-        return self.lr_decay_steps if self.lr_decay_steps is not None else self.max_steps
-
-    @property
-    def warmup(self) -> int:
-        return self.warmup_steps if self.warmup_steps is not None else min(100, self.decay_steps // 10)
 
 
 @dataclass
@@ -148,14 +74,26 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
 
 
 def resolve_device(name: str) -> torch.device:
+    """A torch.device for `name` (auto | cpu | cuda | cuda:N | mps) that this machine really has."""
+    if not isinstance(name, str):
+        raise TypeError(f"device={name!r} must be a string")
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
         return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
     try:
-        return torch.device(name)
-    except RuntimeError as err:
-        raise ValueError(f"device={name!r} is not a device torch knows ({err})") from err
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device={name!r} is not a device name; expected auto, cpu, cuda, cuda:N or mps")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} is not available: torch finds no CUDA GPU on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device={name!r} is not available: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device={name!r} is not available: torch finds no Apple MPS device on this machine")
+    return device
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
@@ -198,21 +136,31 @@ def estimate_loss(model, splits: dict, cfg: TrainConfig, block_size: int, device
     return out
 
 
-def _prepare(cfg: TrainConfig, model_cfg: TransformerConfig | None, resume: str | None):
-    """Text, tokenizer, model and (when resuming) the saved training state."""
-    if resume is not None:
-        from .checkpoint import load_pretrained
-        from .tokenizer import load_tokenizer
+def _check_resumable(cfg: TrainConfig, state: dict, ckpt: Path) -> None:
+    """The tokenizer is fixed by the checkpoint, and there must be steps (or end-of-run files) left."""
+    saved = state["train_config"]
+    names = ("tokenizer", "bpe_vocab_size") if saved.get("tokenizer") == "bpe" else ("tokenizer",)
+    for name in names:
+        if getattr(cfg, name) != saved.get(name):
+            raise ValueError(f"{name}={getattr(cfg, name)!r}, but the run in {ckpt} was trained with "
+                             f"{saved.get(name)!r}; a resumed run keeps its tokenizer (leave the option out)")
+    step, out_dir = state["step"], Path(cfg.out_dir)
+    end_files = END_OF_RUN_FILES if cfg.num_samples > 0 else END_OF_RUN_FILES[:1]  # loss.png [, samples.txt]
+    finished = all((out_dir / name).is_file() for name in end_files)
+    if step > cfg.max_steps or (step == cfg.max_steps and finished):
+        raise ValueError(f"the checkpoint {ckpt} is at step {step}; max_steps={cfg.max_steps} "
+                         f"leaves nothing to train (raise max_steps)")
 
+
+def _prepare(cfg: TrainConfig, model_cfg: TransformerConfig | None, ckpt: Path | None):
+    """Text, tokenizer, model and (when resuming from the checkpoint `ckpt`) the saved training state."""
+    if ckpt is not None:
         if model_cfg is not None and not isinstance(model_cfg, dict):
             raise TypeError(f"with resume, model_cfg must be a dict of overrides or None, got {type(model_cfg)}")
-        ckpt = find_checkpoint(resume)
         state = load_train_state(ckpt)
-        if state["step"] >= cfg.max_steps:
-            raise ValueError(f"the checkpoint {ckpt} is at step {state['step']}; max_steps={cfg.max_steps} "
-                             f"leaves nothing to train (raise max_steps)")
+        _check_resumable(cfg, state, ckpt)
         tokenizer = load_tokenizer(ckpt)
-        model = load_pretrained(ckpt, **(model_cfg or {}))
+        model = TransformerLM.from_pretrained(ckpt, **(model_cfg or {}))
         text, _ = load_text(state["data_name"] if cfg.data is None else cfg.data)
         return text, tokenizer, model, state
     if model_cfg is None:
@@ -225,24 +173,123 @@ def _prepare(cfg: TrainConfig, model_cfg: TransformerConfig | None, resume: str 
     return text, tokenizer, model, {"data_name": data_name}
 
 
-def train(cfg: TrainConfig, model_cfg: TransformerConfig | dict | None = None, *, resume=None) -> TrainResult:
+def train(cfg: TrainConfig, model_cfg: TransformerConfig | dict | None = None, *, resume=None,
+          overwrite: bool = False) -> TrainResult:
     """Train a model and return it with its loss history. `model_cfg` is a TransformerConfig for a new
-    run (vocab_size is taken from the tokenizer) or, with `resume`, a dict of config overrides."""
+    run (vocab_size is taken from the tokenizer) or, with `resume`, a dict of config overrides.
+    A new run refuses an out_dir that already holds one unless `overwrite=True`."""
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
     if cfg.fsdp and (int(os.environ.get("WORLD_SIZE", "1")) < 2 or cfg.compile):
         raise ValueError("fsdp=True needs torchrun with at least 2 processes (WORLD_SIZE >= 2) and no compile")
     rank, world_size, device = _setup_distributed(cfg)
     try:
-        return _train(cfg, model_cfg, resume, rank, world_size, device)
+        ckpt = None if resume is None else find_checkpoint(resume)  # verified against its manifest
+        if rank == 0:  # a resumed run may write only into its own directory, unless told to replace another
+            other_run = ckpt is None or Path(cfg.out_dir).resolve() != ckpt.parent.resolve()
+            prepare_out_dir(cfg.out_dir, fresh=other_run, overwrite=overwrite)
+        return _train(_start(cfg, model_cfg, ckpt, rank, world_size, device))
     finally:
         if world_size > 1:
             dist.destroy_process_group()
 
 
-def _train(cfg, model_cfg, resume, rank, world_size, device) -> TrainResult:
+@dataclass
+class _Run:
+    """What one training run carries from step to step (on each rank)."""
+
+    cfg: TrainConfig
+    model: torch.nn.Module  # what the steps call: maybe compiled, maybe wrapped in DDP
+    raw_model: TransformerLM  # what is evaluated and saved
+    tokenizer: object
+    text: str
+    data_name: str
+    train_data: torch.Tensor
+    val_data: torch.Tensor
+    block_size: int
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    generator: torch.Generator  # draws every training batch
+    device: torch.device
+    amp_dtype: torch.dtype | None
+    rank: int
+    world_size: int
+    step: int = 0
+    best_val: float = math.inf
+    losses: list = field(default_factory=list)
+    evals: list = field(default_factory=list)
+    step_times: list = field(default_factory=list)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.block_size * self.cfg.grad_accum_steps * self.world_size
+
+    def amp(self):
+        return torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype else contextlib.nullcontext()
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = get_batch(self.train_data, self.cfg.batch_size, self.block_size, self.generator,
+                         rank=self.rank, world_size=self.world_size)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)  # (B, T), (B, T)
+
+    def state_dict(self, optimizer_state: dict | None = None) -> dict:
+        cuda = self.device.type == "cuda"
+        return {
+            "step": self.step, "best_val_loss": self.best_val, "losses": self.losses, "evals": self.evals,
+            "optimizer": self.optimizer.state_dict() if optimizer_state is None else optimizer_state,
+            "scaler": self.scaler.state_dict(),
+            "batch_rng": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(self.device) if cuda else None,
+            "train_config": self.cfg.to_dict(), "data_name": self.data_name, "world_size": self.world_size,
+        }
+
+    def restore(self, state: dict) -> None:
+        if self.cfg.fsdp:  # a single-process-format state: every rank keeps its shard of it
+            from .parallel import fsdp
+
+            fsdp.load_optimizer_state(self.raw_model, self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.generator.set_state(state["batch_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        if self.device.type == "cuda" and state["cuda_rng"] is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        self.step, self.best_val = state["step"], state["best_val_loss"]
+        self.losses, self.evals = list(state["losses"]), [list(e) for e in state["evals"]]
+
+    def evaluate_and_save(self, bar) -> None:
+        model, optimizer_state = self.raw_model, None
+        if self.cfg.fsdp:  # every rank sends its shards; rank 0 evaluates and saves a plain model
+            from .parallel import fsdp
+
+            model, optimizer_state = fsdp.gather_full_state(self.raw_model, self.optimizer)
+            if self.rank != 0:
+                return
+        splits = {"train": self.train_data, "val": self.val_data}
+        result = estimate_loss(model, splits, self.cfg, self.block_size, self.device, self.amp)
+        self.evals.append([self.step, result["train"], result["val"]])
+        if self.cfg.progress:
+            bar.write(f"step {self.step}: train loss {result['train']:.4f}, val loss {result['val']:.4f}")
+        out_dir = Path(self.cfg.out_dir)
+        if result["val"] < self.best_val:
+            self.best_val = result["val"]
+            save_checkpoint(out_dir / "best", model, self.tokenizer, self.state_dict(optimizer_state))
+        save_checkpoint(out_dir / "last", model, self.tokenizer, self.state_dict(optimizer_state))
+
+    def diverged(self, loss_value: float, lr: float) -> TrainingDiverged:
+        kept = Path(self.cfg.out_dir) / "last"
+        return TrainingDiverged(
+            f"loss is {loss_value} at step {self.step + 1} (lr {lr:.3g}); training stopped before updating the "
+            f"weights. The last good checkpoint is {kept if kept.exists() else 'not written yet'}; "
+            f"try a lower lr, a smaller grad_clip or precision=fp32"
+        )
+
+
+def _start(cfg: TrainConfig, model_cfg, ckpt: Path | None, rank: int, world_size: int, device) -> _Run:
+    """Data, model, optimizer and RNGs of a new run, or of one resumed from `ckpt` restored exactly."""
     torch.manual_seed(cfg.seed)  # same init and same dropout stream on every rank (DDP checks nothing)
-    text, tokenizer, model, state = _prepare(cfg, model_cfg, resume)
+    text, tokenizer, model, state = _prepare(cfg, model_cfg, ckpt)
     block_size = cfg.block_size or model.config.max_seq_len
     if block_size > model.config.max_seq_len:
         raise ValueError(f"block_size={block_size} exceeds the model's max_seq_len={model.config.max_seq_len}")
@@ -250,103 +297,57 @@ def _train(cfg, model_cfg, resume, rank, world_size, device) -> TrainResult:
     train_data, val_data = split_tokens(ids, block_size)
     model.to(device)
     if cfg.fsdp:  # before the optimizer, which must see (and keep state for) the shards only
-        from .parallel import fsdp
+        from .parallel.fsdp import shard_for_training
 
-        fsdp.shard_for_training(model)
-    optimizer = make_optimizer(model, cfg)
+        shard_for_training(model)
     amp_dtype = autocast_dtype(cfg.precision, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    generator = torch.Generator().manual_seed(cfg.seed)  # draws every training batch
-    step, best_val, losses, evals = 0, math.inf, [], []
-    if resume is not None:
-        if cfg.fsdp:
-            fsdp.load_optimizer_state(model, optimizer, state["optimizer"])
-        else:
-            optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-        generator.set_state(state["batch_rng"])
-        torch.set_rng_state(state["torch_rng"])
-        if device.type == "cuda" and state["cuda_rng"] is not None:
-            torch.cuda.set_rng_state(state["cuda_rng"], device)
-        step, best_val = state["step"], state["best_val_loss"]
-        losses, evals = list(state["losses"]), [list(e) for e in state["evals"]]
-
-    def amp():
-        return torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
-
-    raw_model = model
+    run = _Run(cfg, model, model, tokenizer, text, state["data_name"], train_data, val_data, block_size,
+               make_optimizer(model, cfg), torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16),
+               torch.Generator().manual_seed(cfg.seed), device, amp_dtype, rank, world_size)
+    if ckpt is not None:
+        run.restore(state)
     if cfg.compile:
-        model = torch.compile(model)
+        run.model = torch.compile(run.model)
     if world_size > 1 and not cfg.fsdp:
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    out_dir = Path(cfg.out_dir)
-    master = rank == 0
-    tokens_per_step = cfg.batch_size * block_size * cfg.grad_accum_steps * world_size
+        run.model = DistributedDataParallel(run.model, device_ids=[device.index] if device.type == "cuda" else None)
+    return run
 
-    def checkpoint_state(optimizer_state: dict | None = None) -> dict:
-        return {
-            "step": step, "best_val_loss": best_val, "losses": losses, "evals": evals,
-            "optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state,
-            "scaler": scaler.state_dict(),
-            "batch_rng": generator.get_state(), "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-            "train_config": cfg.to_dict(), "data_name": state["data_name"], "world_size": world_size,
-        }
 
-    def evaluate_and_save() -> None:
-        nonlocal best_val
-        eval_model, optimizer_state = raw_model, None
-        if cfg.fsdp:  # every rank sends its shards; rank 0 evaluates and saves a plain model
-            eval_model, optimizer_state = fsdp.gather_full_state(raw_model, optimizer)
-            if not master:
-                return
-        result = estimate_loss(eval_model, {"train": train_data, "val": val_data}, cfg, block_size, device, amp)
-        evals.append([step, result["train"], result["val"]])
-        if cfg.progress:
-            bar.write(f"step {step}: train loss {result['train']:.4f}, val loss {result['val']:.4f}")
-        if result["val"] < best_val:
-            best_val = result["val"]
-            save_checkpoint(out_dir / "best", eval_model, tokenizer, checkpoint_state(optimizer_state))
-        save_checkpoint(out_dir / "last", eval_model, tokenizer, checkpoint_state(optimizer_state))
-
-    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = get_batch(train_data, cfg.batch_size, block_size, generator, rank=rank, world_size=world_size)
-        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (B, T), (B, T)
-
-    step_times = []
-    bar = tqdm(total=cfg.max_steps, initial=step, disable=not (cfg.progress and master), desc="train")
-    model.train()
-    while step < cfg.max_steps:
+def _train(run: _Run) -> TrainResult:
+    """The loop: a step, its bookkeeping, and every eval_interval steps an evaluation and two checkpoints."""
+    cfg, master = run.cfg, run.rank == 0
+    bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not (cfg.progress and master), desc="train")
+    run.model.train()
+    while run.step < cfg.max_steps:
         started = time.perf_counter()
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
+        lr = lr_at(run.step, cfg)
+        for group in run.optimizer.param_groups:
             group["lr"] = lr
-        loss_value = _forward_backward(model, next_batch, cfg, amp, scaler, world_size)
+        loss_value = _forward_backward(run.model, run.next_batch, cfg, run.amp, run.scaler, run.world_size)
         if not math.isfinite(loss_value):  # checked BEFORE the update: the weights are still good
             bar.close()
-            kept = out_dir / "last"
-            raise TrainingDiverged(
-                f"loss is {loss_value} at step {step + 1} (lr {lr:.3g}); training stopped before updating the "
-                f"weights. The last good checkpoint is {kept if kept.exists() else 'not written yet'}; "
-                f"try a lower lr, a smaller grad_clip or precision=fp32"
-            )
-        _update(model, optimizer, scaler, cfg.grad_clip)
-        step += 1
-        losses.append(loss_value)
-        step_times.append(time.perf_counter() - started)
+            raise run.diverged(loss_value, lr)
+        _update(run.model, run.optimizer, run.scaler, cfg.grad_clip)
+        run.step += 1
+        run.losses.append(loss_value)
+        run.step_times.append(time.perf_counter() - started)
         bar.update(1)
-        bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_step / step_times[-1]:.0f}",
-                        refresh=False)
-        if (master or cfg.fsdp) and (step % cfg.eval_interval == 0 or step == cfg.max_steps):
-            evaluate_and_save()
+        bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", refresh=False,
+                        tok_s=f"{run.tokens_per_step / run.step_times[-1]:.0f}")
+        if (master or cfg.fsdp) and (run.step % cfg.eval_interval == 0 or run.step == cfg.max_steps):
+            run.evaluate_and_save(bar)
     bar.close()
+    out_dir = Path(cfg.out_dir)
     if cfg.fsdp:  # a plain model for the samples and the result (rank 0); the others keep their shards
-        raw_model = fsdp.gather_full_model(raw_model) or raw_model
+        from .parallel.fsdp import gather_full_model
+
+        run.raw_model = gather_full_model(run.raw_model) or run.raw_model
     if master:
-        finish_run(cfg, raw_model, tokenizer, text, losses, evals, out_dir, device)
-    return TrainResult(raw_model, tokenizer, step, best_val, losses, evals, step_times, tokens_per_step, str(out_dir))
+        finish_run(cfg, run.raw_model, run.tokenizer, run.text, run.losses, run.evals, out_dir, run.device)
+    return TrainResult(run.raw_model, run.tokenizer, run.step, run.best_val, run.losses, run.evals,
+                       run.step_times, run.tokens_per_step, str(out_dir))
 
 
 def _forward_backward(model, next_batch, cfg: TrainConfig, amp, scaler, world_size: int) -> float:

@@ -5,63 +5,150 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
 import torch
 
-from .checkpoint import CONFIG_NAME, WEIGHTS_NAME, save_pretrained
+from .checkpoint import (
+    CHECKPOINT_NAMES,
+    CONFIG_NAME,
+    MANIFEST_NAME,
+    WEIGHTS_NAME,
+    CheckpointError,
+    previous_dir,
+    resolve_checkpoint_dir,
+    verify_checkpoint,
+    write_checkpoint,
+    write_manifest,
+)
 
 TRAIN_STATE_FILE = "train_state.pt"  # optimizer, step, RNG states, history: torch.load(weights_only=True)
 TRAIN_CONFIG_FILE = "train_config.json"  # the same TrainConfig, for people to read
+TMP_MARK = ".tmp-"  # a save in progress writes `.NAME.tmp-PID` first
 
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; training stopped before the bad update."""
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The TransformerLM inside DDP(...) and/or torch.compile(...)."""
+    while isinstance(getattr(model, "module", getattr(model, "_orig_mod", None)), torch.nn.Module):
+        model = getattr(model, "module", None) if hasattr(model, "module") else model._orig_mod
+    return model
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_leftovers(run_dir: str | Path) -> list[Path]:
+    """Delete what killed saves left in `run_dir`: `.NAME.tmp-PID` folders whose process is gone, and
+    `.NAME.old` folders whose NAME is back in place. Returns what was removed."""
+    run_dir = Path(run_dir)
+    removed = []
+    for name in CHECKPOINT_NAMES:
+        old = previous_dir(run_dir / name)
+        stale = [old] if old.is_dir() and (run_dir / name).is_dir() else []
+        for tmp in run_dir.glob(f".{name}{TMP_MARK}*"):
+            pid = tmp.name.rsplit(TMP_MARK, 1)[1]
+            if pid.isdigit() and (int(pid) == os.getpid() or not _pid_alive(int(pid))):
+                stale.append(tmp)
+        for leftover in stale:
+            shutil.rmtree(leftover, ignore_errors=True)
+            removed.append(leftover)
+    return removed
+
+
 def save_checkpoint(path: str | Path, model: torch.nn.Module, tokenizer, state: dict) -> None:
-    """Write a complete checkpoint directory: weights, config, tokenizer, training state.
+    """Write a complete checkpoint directory: weights, config, tokenizer, training state, manifest.
 
     Everything goes to a temporary sibling directory first, which is then renamed into place, so a
-    kill at any moment leaves either the previous checkpoint or the new one, never half of each.
+    kill at any moment leaves either the previous checkpoint or the new one, never half of each. The
+    manifest (sha256 of every file) is written last, and temporaries of earlier killed saves are removed.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    old = path.with_name(f".{path.name}.old")
+    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+    old = previous_dir(path)
+    remove_leftovers(path.parent)
     shutil.rmtree(tmp, ignore_errors=True)
-    save_pretrained(model, tmp)  # unwraps torch.compile and strips DDP/compile prefixes
+    model = unwrap(model)
+    write_checkpoint(tmp, model.config, model.state_dict(), manifest=False)  # strips DDP/compile prefixes
     tokenizer.save(tmp)
     torch.save(state, tmp / TRAIN_STATE_FILE)
     (tmp / TRAIN_CONFIG_FILE).write_text(json.dumps(state.get("train_config", {}), indent=2))
+    write_manifest(tmp)  # last: the sha256 of every file above
     if path.exists():
         shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)  # two renames: between them only `.old` exists, and find_checkpoint uses it
+        os.replace(path, old)  # two renames: between them only `.old` exists, and loaders use it
     os.replace(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from a checkpoint path or a run directory (-> its `last/`).
+    """A checkpoint directory from a checkpoint path or a run directory (-> its `last/`, or `best/` when a
+    kill came before the first `last/` was written), verified against its manifest.
 
     If a kill fell between the two renames of `save_checkpoint`, the previous checkpoint is still
     there under its `.old` name and is used."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"resume={path!r} must be a run or checkpoint directory path (str or os.PathLike)")
     path = Path(path)
-    for candidate in (path, path / "last"):
-        if (candidate / TRAIN_STATE_FILE).is_file():
+    for candidate in (path, path / "last", path / "best"):
+        candidate = resolve_checkpoint_dir(candidate)
+        if any((candidate / name).is_file() for name in (TRAIN_STATE_FILE, MANIFEST_NAME, WEIGHTS_NAME)):
+            verify_checkpoint(candidate)
             return candidate
-        old = candidate.with_name(f".{candidate.name}.old")
-        if not candidate.exists() and (old / TRAIN_STATE_FILE).is_file():
-            return old
     raise ValueError(
         f"resume={str(path)!r} holds no training checkpoint; expected a directory with {TRAIN_STATE_FILE}, "
         f"{WEIGHTS_NAME} and {CONFIG_NAME} (or a run directory containing last/)"
     )
 
 
+END_OF_RUN_FILES = ("loss.png", "samples.txt")
+
+
+def prepare_out_dir(out_dir: str | Path, *, fresh: bool, overwrite: bool) -> None:
+    """Before the first step: refuse to replace an existing run unless `overwrite`, make sure the
+    directory can be written, and clear what killed saves left behind."""
+    out_dir = Path(out_dir)
+    existing = [f"{name}/" for name in CHECKPOINT_NAMES if resolve_checkpoint_dir(out_dir / name).is_dir()]
+    if fresh and existing and not overwrite:
+        raise ValueError(f"out_dir={str(out_dir)!r} already holds a run ({', '.join(existing)}); continue it with "
+                         f"--resume {out_dir} (resume=...), or replace it with --overwrite (overwrite=True)")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"out_dir={str(out_dir)!r} cannot be written ({err.strerror or err})") from None
+    if fresh and overwrite:  # nothing of the old run may survive to be mistaken for the new one's
+        for name in CHECKPOINT_NAMES:
+            for folder in (out_dir / name, previous_dir(out_dir / name)):
+                shutil.rmtree(folder, ignore_errors=True)
+        for name in END_OF_RUN_FILES:
+            (out_dir / name).unlink(missing_ok=True)
+    remove_leftovers(out_dir)
+
+
 def load_train_state(path: str | Path) -> dict:
     """The training state saved next to the weights; tensors and plain Python values only."""
-    return torch.load(Path(path) / TRAIN_STATE_FILE, map_location="cpu", weights_only=True)
+    file = Path(path) / TRAIN_STATE_FILE
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing; this checkpoint holds weights only and cannot be resumed")
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, OSError) as err:
+        raise CheckpointError(f"{file} cannot be read ({type(err).__name__}: {err})") from None
 
 
 def plot_losses(losses: list[float], evals: list[list[float]], path: str | Path) -> None:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .attention import get_backend
+from .checkpoint import read_checkpoint, write_checkpoint
 from .config import TransformerConfig
 from .kv_cache import Cache, KVCache, NoCache
 from .layers import RMSNorm, make_ffn, make_norm
@@ -222,14 +223,12 @@ class TransformerLM(nn.Module):
                 raise ValueError(f"targets contain id {int(targets[bad][0])}, expected [0, {cfg.vocab_size}) or -100")
 
     @classmethod
-    def from_pretrained(cls, path, **kwargs) -> TransformerLM:
-        """Load our own checkpoint directory or a local Hugging Face GPT-2 / Llama directory."""
-        from .checkpoint import load_pretrained
-
-        return load_pretrained(path, **kwargs)
+    def from_pretrained(cls, path, *, device: str | torch.device = "cpu", **overrides) -> TransformerLM:
+        """Load our own checkpoint directory (its manifest verified) or a local Hugging Face GPT-2 / Llama
+        directory. `overrides` change config fields (e.g. attn_backend="sdpa"). The model comes back in
+        eval mode (dropout off), like Hugging Face's from_pretrained; call .train() to fine-tune."""
+        return read_checkpoint(path, cls, **overrides).to(device).eval()
 
     def save_pretrained(self, path) -> None:
-        """Write `model.safetensors` + `config.json` to the directory `path`."""
-        from .checkpoint import save_pretrained
-
-        save_pretrained(self, path)
+        """Write `config.json`, `model.safetensors` and `manifest.json` (their sha256) to the directory `path`."""
+        write_checkpoint(path, self.config, self.state_dict())

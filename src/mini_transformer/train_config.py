@@ -1,0 +1,94 @@
+"""TrainConfig: everything about HOW to train, validated once (the model's shape lives in TransformerConfig)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from .config import DictIO, _check_choice, _check_positive_int
+
+Precision = Literal["auto", "fp32", "bf16", "fp16"]  # auto: bf16/fp16 autocast on CUDA, fp32 elsewhere
+TokenizerKind = Literal["char", "bpe"]
+PRECISIONS, TOKENIZERS = get_args(Precision), get_args(TokenizerKind)
+
+
+@dataclass
+class TrainConfig(DictIO):
+    """Everything about HOW to train (the model's shape lives in TransformerConfig).
+
+    Defaults reproduce nanoGPT's CPU "baby" Shakespeare run.
+    """
+
+    data: str | None = None  # shakespeare | pydoc | a file path; None = shakespeare, else pydoc
+    tokenizer: TokenizerKind = "char"
+    bpe_vocab_size: int = 1024  # only for tokenizer="bpe"
+    batch_size: int = 12  # sequences per micro-batch, per rank
+    block_size: int | None = None  # tokens per sequence; None = the model's max_seq_len
+    grad_accum_steps: int = 1  # micro-batches summed into one update
+    max_steps: int = 2000  # optimizer updates
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int | None = None  # None = min(100, a tenth of the decay steps)
+    lr_decay_steps: int | None = None  # where the cosine reaches min_lr; None = max_steps
+    weight_decay: float = 0.1  # on >= 2-D weights only
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
+    eval_interval: int = 250
+    eval_batches: int = 20
+    seed: int = 1337
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    precision: Precision = "auto"
+    compile: bool = False
+    fused_optimizer: bool = True  # one fused AdamW kernel instead of a loop over tensors
+    out_dir: str = "out"
+    num_samples: int = 2  # texts sampled at the end
+    sample_tokens: int = 300
+    progress: bool = True
+    fsdp: bool = False  # under torchrun: FSDP2 shards weights, grads and AdamW state (parallel/fsdp.py), not DDP
+
+    def __post_init__(self) -> None:
+        _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
+        _check_choice("precision", self.precision, PRECISIONS)
+        for name in ("bpe_vocab_size", "batch_size", "grad_accum_steps", "max_steps", "eval_interval",
+                     "eval_batches", "sample_tokens"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("block_size", "lr_decay_steps"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        for name in ("num_samples", "seed", "warmup_steps"):
+            value = getattr(self, name)
+            if name == "warmup_steps" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be a non-negative integer")
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+                raise ValueError(f"{name}={value!r} must be a non-negative finite number")
+        if self.lr <= 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 < min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+                raise ValueError(f"{name}={value!r} must be in [0, 1)")
+        if self.warmup_steps is not None and self.warmup_steps >= self.decay_steps:
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps} must be smaller than lr_decay_steps (or max_steps)="
+                f"{self.decay_steps}"
+            )
+        for name in ("compile", "fused_optimizer", "progress", "fsdp"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
+        for name in ("device", "out_dir"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be a string")
+
+    @property
+    def decay_steps(self) -> int:
+        return self.lr_decay_steps if self.lr_decay_steps is not None else self.max_steps
+
+    @property
+    def warmup(self) -> int:
+        return self.warmup_steps if self.warmup_steps is not None else min(100, self.decay_steps // 10)
