@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from mini_transformer import TransformerConfig, TransformerLM
-from mini_transformer.checkpoint import load_pretrained
 from mini_transformer.cli import main
 from mini_transformer.parallel import run_processes
 from mini_transformer.parallel.launch import free_port
@@ -63,7 +62,8 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_exactly(corpus, tmp_path):
     fsdp, one = load_train_state(tmp_path / "fsdp" / "last"), load_train_state(tmp_path / "one" / "last")
     assert fsdp["world_size"] == 2 and fsdp["step"] == 20 and fsdp["train_config"]["fsdp"]
     assert fsdp["losses"] == pytest.approx(one["losses"], rel=1e-5)
-    assert_same_weights(load_pretrained(tmp_path / "fsdp" / "last"), load_pretrained(tmp_path / "one" / "last"))
+    load = TransformerLM.from_pretrained
+    assert_same_weights(load(tmp_path / "fsdp" / "last"), load(tmp_path / "one" / "last"))
     # the gathered optimizer state has the single-process format: same indices, same moments
     for index, values in one["optimizer"]["state"].items():
         torch.testing.assert_close(fsdp["optimizer"]["state"][index]["exp_avg"], values["exp_avg"],
@@ -113,4 +113,4 @@ def test_activation_checkpointing_from_the_command_line(corpus, tmp_path):
     assert main(["train", *args, "--set", "activation_checkpointing=true", "--out", str(tmp_path / "ckpt")]) == 0
     plain, ckpt = load_train_state(tmp_path / "plain" / "last"), load_train_state(tmp_path / "ckpt" / "last")
     assert ckpt["losses"] == plain["losses"]
-    assert load_pretrained(tmp_path / "ckpt" / "last").config.activation_checkpointing
+    assert TransformerLM.from_pretrained(tmp_path / "ckpt" / "last").config.activation_checkpointing
