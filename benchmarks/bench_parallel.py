@@ -148,7 +148,8 @@ def bench_pd(args) -> list[dict]:
     prefill, decode = run_processes(pd_worker, 2, args=(args,), timeout=args.timeout)
     torch.manual_seed(0)
     model = TransformerLM(model_config(args)).eval()
-    one = LLMEngine(model, block_size=16).generate(decode["prompts"], SamplingParams(max_tokens=8), use_tqdm=False)
+    engine = LLMEngine(model, block_size=16, max_num_seqs=len(PD_PROMPTS))  # the pool run_disaggregated sizes
+    one = engine.generate(decode["prompts"], SamplingParams(max_tokens=8), use_tqdm=False)
     assert one == decode["completions"], "disaggregated completions differ from one engine"
     return [dict(prompt=n, kv_mb=b / MB, formula_mb=kv_bytes_formula(model, n) / MB, per_token_kb=b / n / 1e3)
             for n, b in zip(prefill["lengths"], prefill["kv_bytes"], strict=True)]
@@ -156,6 +157,7 @@ def bench_pd(args) -> list[dict]:
 
 # --------------------------------------------------------------------------------- 2. FSDP vs DDP
 def train_worker(rank: int, world_size: int, args, mode: str) -> dict:
+    reset = _reset_peak_rss()  # a spawned process starts with its parent's high-water mark: forget it
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = TransformerLM(model_config(args))
@@ -174,7 +176,7 @@ def train_worker(rank: int, world_size: int, args, mode: str) -> dict:
         optimizer.step()
         times.append(time.perf_counter() - start)
     memory = training_memory(model, optimizer)  # gradients kept (not zeroed) so they are counted
-    return {**memory, "peak_rss": _peak_rss_bytes(False), "step_s": times[-1]}
+    return {**memory, "peak_rss": _peak_rss_bytes(reset), "step_s": times[-1]}
 
 
 def bench_train_memory(args) -> list[dict]:
@@ -285,7 +287,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=16, help="TP: generated tokens")
     p.add_argument("--batch", type=int, default=2, help="training: sequences per rank")
     p.add_argument("--seq", type=int, default=128, help="training: tokens per sequence")
-    p.add_argument("--repeats", type=int, default=3, help="checkpointing: timed steps (median)")
+    p.add_argument("--repeats", type=int, default=7, help="checkpointing: timed steps (median)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--device", default="cpu", help="checkpointing only (cpu or cuda)")
     p.add_argument("--timeout", type=float, default=900)
