@@ -193,14 +193,14 @@ def bench_train_memory(args) -> list[dict]:
 
 
 # -------------------------------------------------------------------- 3. activation checkpointing
-def ac_case(args, preset: str, checkpointing: bool) -> dict:
+def ac_case(args, preset: str, batch: int, seq: int, checkpointing: bool) -> dict:
     """One mode in this (fresh) process: extra peak memory of a step with gradients allocated, and its time."""
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)
     cfg = TransformerConfig.from_preset(preset, attn_backend="sdpa", activation_checkpointing=checkpointing)
     model = TransformerLM(cfg).to(device).train()
-    x = torch.randint(cfg.vocab_size, (args.batch, min(args.seq, cfg.max_seq_len)), device=device)
+    x = torch.randint(cfg.vocab_size, (batch, min(seq, cfg.max_seq_len)), device=device)
 
     def step():
         model(x, x)[1].backward()
@@ -229,16 +229,17 @@ def ac_case(args, preset: str, checkpointing: bool) -> dict:
 
 def bench_checkpointing(args) -> list[dict]:
     rows = []
-    for preset in args.ac_presets.split(","):
+    for case in args.ac_presets.split(","):  # preset:BxT
+        preset, shape = case.split(":")
         results = {}
         for on in (False, True):
-            cmd = [sys.executable, __file__, "--ac-worker", f"{preset}:{int(on)}", *sys.argv[1:]]
+            cmd = [sys.executable, __file__, "--ac-worker", f"{preset}:{shape}:{int(on)}", *sys.argv[1:]]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"activation checkpointing case {preset} {on} failed:\n{done.stderr[-2000:]}")
             results[on] = json.loads(done.stdout.strip().splitlines()[-1])
         off = results[False]
-        rows += [dict(setup=f"{preset}, {'on' if on else 'off'}", peak_mb=r["peak_mb"],
+        rows += [dict(setup=f"{preset} {shape}, {'on' if on else 'off'}", peak_mb=r["peak_mb"],
                       mem_ratio=r["peak_mb"] / off["peak_mb"], step_s=r["step_s"],
                       time_ratio=r["step_s"] / off["step_s"])
                  for on, r in results.items()]
@@ -292,7 +293,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="checkpointing only (cpu or cuda)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--plot", action="store_true", help="write out/parallel.png")
-    p.add_argument("--ac-presets", default="gpt2-small,llama-style", help="checkpointing: models, comma-separated")
+    p.add_argument("--ac-presets", default="gpt2-small:2x128,llama-style:8x256",
+                   help="checkpointing: PRESET:BATCHxSEQ, comma-separated (big enough to rise above allocator noise)")
     p.add_argument("--only", default="tp,ep,pd,train,ac", help="which tables: tp, ep, pd, train, ac (comma-separated)")
     p.add_argument("--ac-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -300,10 +302,11 @@ def main() -> None:
     if args.quick:
         args.preset = "shakespeare-char"
         args.seq = min(args.seq, 64)
-        args.ac_presets = "shakespeare-char"
+        args.ac_presets = "shakespeare-char:8x64"
     if args.ac_worker is not None:
-        preset, on = args.ac_worker.split(":")
-        print(json.dumps(ac_case(args, preset, on == "1")))
+        preset, shape, on = args.ac_worker.split(":")
+        batch, seq = map(int, shape.split("x"))
+        print(json.dumps(ac_case(args, preset, batch, seq, on == "1")))
         return
     print(f"load before: {os.getloadavg()}; preset {args.preset}, {args.threads} thread(s) per process")
     only = set(args.only.split(","))
