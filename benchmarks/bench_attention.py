@@ -213,15 +213,20 @@ def plot(results: list[dict], args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # Chinese labels need a CJK font (Debian: fonts-noto-cjk); without it only those glyphs are missing
+    plt.rcParams["font.family"] = ["DejaVu Sans", "Noto Sans CJK SC"]
     os.makedirs(args.out_dir, exist_ok=True)
-    for key, label, name in (("ms", "time (ms)", "time"), ("peak_mb", "peak extra memory (MB)", "memory")):
+    mode_names = {"fwd": "前向 forward", "fwd+bwd": "前向+反向 forward+backward"}
+    quantities = (("ms", "时间 time (ms)", "time"), ("peak_mb", "峰值额外内存 peak extra memory (MB)", "memory"))
+    for key, label, name in quantities:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
         for ax, mode in zip(axes, MODES, strict=True):
             for backend in args.backends:
                 rows = [r for r in results if r["backend"] == backend and r["mode"] == mode and "ms" in r]
                 if rows:
                     ax.plot([r["T"] for r in rows], [max(r[key], 1e-3) for r in rows], marker="o", label=backend)
-            ax.set(xscale="log", yscale="log", xlabel="sequence length T", title=f"causal attention, {mode}")
+            ax.set(xscale="log", yscale="log", xlabel="序列长度 sequence length T",
+                   title=f"因果 attention causal attention, {mode_names.get(mode, mode)}")
             ax.set_xscale("log", base=2)
             ax.grid(True, which="both", alpha=0.3)
         axes[0].set_ylabel(label)

@@ -127,23 +127,35 @@ def main(argv=None) -> None:
         print(row)
 
     if args.plot:
-        import matplotlib
+        plot(args.lengths, methods, tok_s, f"{args.n_layer}x{args.d_model} GPT-2, {args.device}", args.plot)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for m in methods:
-            ax.plot(args.lengths, [tok_s[n, m] for n in args.lengths], marker="o", label=m)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("new tokens")
-        ax.set_ylabel("tokens / s")
-        ax.set_title(f"greedy decode, {args.n_layer}x{args.d_model} GPT-2, {args.device}")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print(f"plot written to {args.plot}")
+METHOD_LABELS = {"cache": "有缓存 with cache", "no-cache": "无缓存 without cache", "hf": "Hugging Face generate()"}
+
+
+def plot(lengths: list[int], methods: list[str], tok_s: dict, model: str, path: str) -> None:
+    """tokens/s against new tokens, one line per method; tok_s maps (new tokens, method) -> tokens/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # Chinese labels need a CJK font (Debian: fonts-noto-cjk); without it only those glyphs are missing
+    plt.rcParams["font.family"] = ["DejaVu Sans", "Noto Sans CJK SC"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for m in methods:
+        ax.plot(lengths, [tok_s[n, m] for n in lengths], marker="o", label=METHOD_LABELS.get(m, m))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("新生成的 token 数 new tokens")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"greedy 解码速度 decode speed, {model}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot written to {path}")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from mini_transformer.train import TrainConfig, train
 MODELS = {"gpt2": (1.88, "tab:blue"), "gpt2-init002": (None, "tab:grey"), "modern": (1.80, "tab:orange")}
 WARMUP_STEPS = 10  # step times left out of the medians (allocations, compilation)
 PLAIN_LOOP = "plain loop, torch AdamW defaults"
+NANOGPT_VAL = 1.8857  # nanoGPT's published val loss for this run (20 eval batches): a line on the loss plot
 
 
 def gpt2_config(vocab_size: int, **changes) -> TransformerConfig:
@@ -171,8 +172,11 @@ def speed(args, vocab_size: int, work: Path) -> list:
 
 def plot(rows: dict, speed_rows: list, path: str) -> None:
     """Loss curves of the quality runs and/or step times of the speed variants, side by side."""
+    import matplotlib
     from matplotlib.figure import Figure
 
+    # Chinese labels need a CJK font (Debian: fonts-noto-cjk); without it only those glyphs are missing
+    matplotlib.rcParams["font.family"] = ["DejaVu Sans", "Noto Sans CJK SC"]
     panels = int(bool(rows)) + int(bool(speed_rows))
     fig = Figure(figsize=(5.5 * panels + 0.5, 4.5))
     if rows:
@@ -180,22 +184,23 @@ def plot(rows: dict, speed_rows: list, path: str) -> None:
         for name, row in rows.items():
             target, colour = MODELS[name]
             evals = row["result"].evals
-            ax.plot([e[0] for e in evals], [e[2] for e in evals], "o-", color=colour, label=f"{name} val")
+            ax.plot([e[0] for e in evals], [e[2] for e in evals], "o-", color=colour, label=f"{name} 验证 val")
             ax.plot([e[0] for e in evals], [e[1] for e in evals], "--", color=colour, alpha=0.6,
-                    label=f"{name} train")
+                    label=f"{name} 训练 train")
             if target is not None:
-                ax.axhline(target, color="grey", linestyle=":", linewidth=0.8)
-        ax.set(xlabel="step", ylabel="loss (nats / char)", title="tiny shakespeare, char level")
+                ax.axhline(target, color=colour, linestyle=":", linewidth=1.2, label=f"{name} 目标 target ≤ {target}")
+        ax.axhline(NANOGPT_VAL, color="tab:red", linestyle="-.", linewidth=0.8, label=f"nanoGPT {NANOGPT_VAL} (val)")
+        ax.set(xlabel="训练步 step", ylabel="loss（nats / 字符 char）", title="tiny shakespeare，字符级 char level")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))  # below: curves stay clear
     if speed_rows:
         bx = fig.add_subplot(1, panels, panels)
         colours = ["tab:grey" if r[0] == PLAIN_LOOP else "tab:blue" for r in speed_rows]
         bx.barh([r[0] for r in speed_rows], [r[1] for r in speed_rows], color=colours)
-        bx.set(xlabel="ms / step (median)", title="step time (grey: the plain loop)")
+        bx.set(xlabel="ms / step（中位数 median）", title="每步训练时间 step time（灰色：plain loop）")
         bx.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     print(f"wrote {path}")
 
 

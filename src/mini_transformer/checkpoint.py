@@ -77,7 +77,9 @@ def verify_manifest(directory: Path) -> None:
     manifest = directory / MANIFEST_NAME
     if not manifest.is_file():
         raise CheckpointError(f"{manifest} is missing, so the checkpoint's files cannot be verified "
-                              f"(mini-transformer writes one into every checkpoint)")
+                              f"(mini-transformer writes one into every checkpoint; for one saved before "
+                              f"manifests existed, and known to be sound: python -c \"from mini_transformer."
+                              f"checkpoint import write_manifest; write_manifest('{directory}')\")")
     entries = read_json(manifest).get("files")
     if not isinstance(entries, dict) or not all(isinstance(e, dict) for e in entries.values()):
         raise CheckpointError(f"{manifest} has no 'files' table of {{name: {{bytes, sha256}}}}")

@@ -1,4 +1,4 @@
-"""`mini-transformer train | sample | bench | trace | info`: the command line."""
+"""`mini-transformer train | sample | serve | bench | trace | info`: the command line."""
 
 from __future__ import annotations
 
@@ -88,6 +88,13 @@ def _add_sample(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cache", action="store_true", help="re-run the whole sequence every step (slow; to compare)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--compile", action="store_true",
+                   help="decode from a static cache with a step compiled once (the first call compiles)")
+    p.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantize every linear layer first")
+    p.add_argument("--group-size", type=int, default=64, help="int4 group size (with --quantize int4)")
+    p.add_argument("--draft-checkpoint", help="a small model sharing the tokenizer: speculative decoding")
+    p.add_argument("--prompt-lookup", action="store_true", help="speculative decoding with n-gram drafts from the text")
+    p.add_argument("--speculative-tokens", type=int, default=4, help="tokens drafted per target pass")
     p.add_argument("--tensor-parallel", action="store_true",
                    help="under torchrun: split heads, FFN and vocabulary over the ranks (rank 0 prints)")
     p.set_defaults(func=_run_sample)
@@ -137,12 +144,15 @@ def _run_sample(args) -> None:
     )
     device = resolve_device(args.device)
     checkpoint = resolve_checkpoint_dir(args.checkpoint)  # `best` is found even mid-save
-    model = TransformerLM.from_pretrained(checkpoint, device=device)  # verifies the manifest first
+    model = _load_sample_model(args, checkpoint, device)  # verifies the manifest first
     tokenizer = load_tokenizer(checkpoint)
     out = sys.stdout
     if args.tensor_parallel:  # every rank runs the same loop on its shard; only rank 0 prints
         if len(prompts) > 1:
             raise ValueError("--tensor-parallel continues one --prompt (several go through the engine, one process)")
+        if args.quantize or args.compile or args.draft_checkpoint or args.prompt_lookup:
+            raise ValueError("--tensor-parallel runs the plain model: leave out --quantize, --compile, "
+                             "--draft-checkpoint and --prompt-lookup")
         from .parallel.tp import shard_for_command_line
 
         out = shard_for_command_line(model, device)
@@ -155,10 +165,29 @@ def _run_sample(args) -> None:
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, T)
     stream = _TextStream(tokenizer, out, prompts[0])
     # past max_seq_len generate_long slides the context window (re-prefilling its second half)
+    draft = "prompt_lookup" if args.prompt_lookup else None
+    if args.draft_checkpoint:
+        draft = TransformerLM.from_pretrained(args.draft_checkpoint, device=device)
     generate_long(model, idx, params, eos_token_id=tokenizer.eos_token_id, use_cache=not args.no_cache,
-                  stream=stream)
+                  stream=stream, compile=args.compile, draft_model=draft,
+                  num_speculative_tokens=args.speculative_tokens)
     stream.flush()
     out.write("\n")
+
+
+def _load_sample_model(args, checkpoint, device):
+    """The checkpoint (float, or one written by quantize.save_quantized), quantized if --quantize asks."""
+    from .quantize import is_quantized_checkpoint, load_quantized, quantize
+    from .transformer import TransformerLM
+
+    if args.draft_checkpoint and args.prompt_lookup:
+        raise ValueError("--draft-checkpoint and --prompt-lookup are two drafters; choose one")
+    if is_quantized_checkpoint(checkpoint):
+        if args.quantize:
+            raise ValueError(f"--checkpoint {args.checkpoint} is already quantized; drop --quantize")
+        return load_quantized(checkpoint, device=device)
+    model = TransformerLM.from_pretrained(checkpoint, device=device)
+    return quantize(model, args.quantize, group_size=args.group_size) if args.quantize else model
 
 
 def _read_prompts(args) -> list[str]:
@@ -292,7 +321,7 @@ def _encodes(tokenizer, text: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------- bench
-BENCHMARKS = ("decode", "attention", "train", "serving", "moe")
+BENCHMARKS = ("decode", "attention", "train", "serving", "moe", "server")
 
 
 def _add_bench(sub) -> None:
@@ -313,6 +342,38 @@ def _run_bench(args) -> None:
     runpy.run_path(str(script), run_name="__main__")
 
 
+# ---------------------------------------------------------------------------------------- serve
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (and a live page at /) on the engine")
+    p.add_argument("--checkpoint", required=True, help="our checkpoint dir or a Hugging Face GPT-2/Llama dir")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--kv-cache-bytes", type=int, help="memory for the KV block pool (default: the engine's)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests queued beyond that before 429")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args) -> None:
+    from .server import build_context, serve
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} must be in [0, 65535]")
+    ctx = build_context(args.checkpoint, model_name=args.model_name, api_key=args.api_key,
+                        block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_waiting=args.max_waiting, device=args.device)
+    print(f"serving {ctx.model_name!r} on http://{args.host}:{args.port} (live page at /, API under /v1)",
+          flush=True)
+    serve(ctx, host=args.host, port=args.port, log_level=args.log_level)
+
+
 # ----------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -324,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace(sub)
     _add_sample(sub)
     _add_train(sub)
+    _add_serve(sub)
     _add_bench(sub)
     for command in sub.choices.values():  # `--debug` also works after the command's name
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)

@@ -92,6 +92,9 @@ def generate(
     use_cache: bool = True,
     generator: torch.Generator | None = None,
     stream: Callable[[torch.Tensor], None] | None = None,
+    compile: bool = False,
+    draft_model: TransformerLM | str | None = None,
+    num_speculative_tokens: int = 4,
     **sampling,
 ) -> torch.Tensor:
     """Continue the prompts idx (B, T). Returns the new ids only, (B, params.max_tokens).
@@ -102,9 +105,25 @@ def generate(
     slots; the loop ends early once every row has stopped. `generator` (or params.seed) drives sampling.
     `stream(tokens)` is called after each step with the (B,) new ids. The model runs in eval mode
     (no dropout) and is put back in its previous mode afterwards.
+
+    `compile=True` decodes from a fixed-shape `StaticCache` with a step compiled once (static_cache.py).
+    `draft_model` (a smaller TransformerLM, or "prompt_lookup" for n-grams copied from the context)
+    turns on speculative decoding, `num_speculative_tokens` drafted per target pass (speculative.py).
     """
     params = as_sampling_params(params, sampling)
     _check_generate_args(model, idx, params, attention_mask, eos_token_id, stream)
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile={compile!r} must be a bool")
+    if compile and not use_cache:
+        raise ValueError("compile=True decodes from a static KV cache; it cannot be combined with use_cache=False")
+    if draft_model is not None:
+        from .speculative import speculative_generate
+
+        if compile or not use_cache or attention_mask is not None:
+            raise ValueError("draft_model: speculative decoding runs one unpadded row from the KV cache "
+                             "(no compile, no use_cache=False, no attention_mask)")
+        return speculative_generate(model, idx, params, draft_model, num_speculative_tokens,
+                                    eos_token_id=eos_token_id, generator=generator, stream=stream)
     if generator is None:
         generator = params.make_generator(idx.device)
     B, T = idx.shape
@@ -124,9 +143,17 @@ def generate(
     was_training = model.training
     model.eval()
     try:
+        step_fn = decode_step
         if use_cache:
             dtype = model.tok_emb.weight.dtype
-            cache = KVCache.for_model(model.config, B, T + n_new, dtype=dtype, device=device)
+            if compile:  # fixed shapes: every decode step runs the same compiled graph
+                from .static_cache import StaticCache, compiled_decode_step, static_length
+
+                max_len = static_length(T + n_new, model.config.max_seq_len)
+                cache = StaticCache.for_model(model.config, B, max_len, dtype=dtype, device=device)
+                step_fn = compiled_decode_step(device)
+            else:
+                cache = KVCache.for_model(model.config, B, T + n_new, dtype=dtype, device=device)
             logits = prefill(model, idx, cache, prompt_mask)
         else:
             logits = model(idx, attention_mask=prompt_mask, check=False)[0][:, -1]
@@ -145,7 +172,7 @@ def generate(
             if len(stops) and bool(finished.all()):
                 break  # every row has stopped: the loop's one host read, made only when there are stop tokens
             if use_cache:
-                logits = decode_step(model, next_ids, cache)
+                logits = step_fn(model, next_ids, cache)
             else:  # the naive way: the whole sequence again, to read one new row of logits
                 mask = keep[:, :length + 1] if prompt_mask is not None else None
                 logits = model(tokens[:, :length + 1], attention_mask=mask, check=False)[0][:, -1]
@@ -167,14 +194,17 @@ def generate_long(
     use_cache: bool = True,
     generator: torch.Generator | None = None,
     stream: Callable[[torch.Tensor], None] | None = None,
+    compile: bool = False,
+    draft_model: TransformerLM | str | None = None,
+    num_speculative_tokens: int = 4,
     **sampling,
 ) -> torch.Tensor:
     """Continue one unpadded batch past the model's context length. Returns the new ids (B, <= max_tokens).
 
     Generation runs in chunks: fill the context with `generate` (KV cache), then keep only the last
     `keep_tokens` tokens (default: half the context), prefill them into a fresh cache, and go on.
-    Each token therefore sees between keep_tokens and max_seq_len tokens of history. `params` and
-    `sampling` are generate's.
+    Each token therefore sees between keep_tokens and max_seq_len tokens of history. `params`,
+    `sampling` and the decode options (compile, draft_model, num_speculative_tokens) are generate's.
     """
     if "attention_mask" in sampling:
         raise ValueError("generate_long takes unpadded prompts only (no attention_mask); generate one row at a time")
@@ -193,7 +223,8 @@ def generate_long(
         n = min(params.max_tokens - produced, context - window.shape[1])
         chunk_params = dataclasses.replace(params, max_tokens=n, seed=None)
         new = generate(model, window, chunk_params, eos_token_id=eos_token_id, use_cache=use_cache,
-                       generator=generator, stream=stream)  # (B, n)
+                       generator=generator, stream=stream, compile=compile, draft_model=draft_model,
+                       num_speculative_tokens=num_speculative_tokens)  # (B, n)
         chunks.append(new)
         produced += n
         if stops and bool(torch.isin(new, torch.tensor(stops, device=new.device)).any(dim=-1).all()):

@@ -142,3 +142,14 @@ class KVCache:
         v_all[:, :, self.start:].copy_(v)
         key_padding_mask = self.key_padding_mask[:, :self.length] if self.has_padding else None
         return attend(q, k_all, v_all, key_padding_mask)
+
+    def rollback(self, n: int) -> None:
+        """Forget the last n written slots (draft tokens the target rejected, in speculative decoding).
+        Their keys and values stay in the slabs, unread, until the next tokens overwrite them."""
+        assert 0 <= n <= self.length, f"cannot roll back {n} of {self.length} slots"
+        if n == 0:
+            return
+        dropped = self.key_padding_mask[:, self.length - n:self.length]  # (B, n) view
+        self.next_position -= dropped.sum(dim=-1)
+        dropped.fill_(False)
+        self.start = self.length = self.length - n

@@ -64,7 +64,8 @@ class ShapeRecorder:
             weights = attention_weights(scores, mask)
             B, H, Hkv = q.shape[0], q.shape[1], k.shape[1]
             rope = ", RoPE applied" if cfg.pos_emb == "rope" else ""
-            layout = "= (B, T, 3, H, D) -> (3, B, H, T, D)" if Hkv == H else "then split into H, Hkv, Hkv heads"
+            # the tensor is (B, H + 2*Hkv, T, D); with Hkv == H its split equals the (B, T, 3, H, D) permute
+            layout = "(B, 3H, T, D), split = (3, B, H, T, D)" if Hkv == H else "(B, H + 2*Hkv, T, D), split H/Hkv/Hkv"
             self.rows += [
                 (1, "view + transpose", f"({B}, {H + 2 * Hkv}, {Tq}, {cfg.d_head})", layout),
                 (1, "q (split heads" + rope + ")", _shape(q), "(B, H, T, D)"),

@@ -1,0 +1,323 @@
+"""How close does decoding get to the memory-bandwidth limit, and what do the three tricks buy?
+
+Decoding one token at batch 1 reads every weight (and the KV cache so far) once and does about two flops
+per weight: the ceiling is  memory bandwidth / bytes read per token.  This script measures the bandwidth
+(a large tensor copy and a large read, same threads), counts the bytes each method reads per token, and times:
+
+  speed (random weights, GPT-2 layout; identical weights in Hugging Face and ours)
+    hf        transformers' GPT2LMHeadModel.generate(do_sample=False)
+    eager     our generate(): prefill, then one eager step per token from the KV cache
+    compiled  generate(compile=True): StaticCache + a decode step compiled once
+    int8      quantize(model, "int8"), compiled      int4  quantize(model, "int4", group 64), compiled
+  tricks (a 6x384 char model and a 1-layer draft, both trained here on --data for --train-steps)
+    perplexity on held-out text: fp32, int8, int4
+    speculative decoding with the draft, and prompt lookup on a repetitive and on a plain prompt,
+    against plain cached greedy decoding of the same prompt (outputs checked identical)
+(bench_decode.py keeps the stage-3 question: cached vs uncached decode vs Hugging Face.)
+
+    python benchmarks/bench_decode_speed.py --data /work/shared/data/tinyshakespeare.txt --plot roofline.png
+    python benchmarks/bench_decode_speed.py --parts speed --models char --new-tokens 128
+    python benchmarks/bench_decode_speed.py --parts tricks --trained out/bench-decode   # trains once, then reuses
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from tqdm import tqdm
+
+from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
+from mini_transformer.layers import RMSNorm
+from mini_transformer.quantize import Int4Linear, Int8Linear, quantize
+from mini_transformer.speculative import SpeculativeStats, speculative_generate
+from mini_transformer.static_cache import static_length
+
+SPEED_METHODS = ("hf", "eager", "compiled", "int8", "int4")
+MODELS = {  # name -> GPT-2 layout (n_layer, n_heads, d_model, vocab)
+    "char": (6, 6, 384, 65),
+    "gpt2": (12, 12, 768, 50257),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", nargs="+", default=["speed", "tricks"], choices=["speed", "tricks"])
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--methods", nargs="+", default=list(SPEED_METHODS), choices=SPEED_METHODS)
+    p.add_argument("--new-tokens", type=int, default=512, help="new tokens per speed run of the char model")
+    p.add_argument("--gpt2-new-tokens", type=int, default=64, help="new tokens per speed run of GPT-2 small")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=64, help="int4 group size")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, every method")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per method (interleaved); the best is kept")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--data", default=None, help="text to train on (default: tiny shakespeare, or pydoc offline)")
+    p.add_argument("--train-steps", type=int, default=200)
+    p.add_argument("--context", type=int, default=64,
+                   help="block size the char models train on = their max_seq_len (prompt + new tokens fit in it)")
+    p.add_argument("--draft-layers", type=int, default=1)
+    p.add_argument("--trained", metavar="DIR", help="load target/ and draft/ from DIR, or train and save them there")
+    p.add_argument("--speculative-tokens", type=int, default=4, help="k drafted per target pass")
+    p.add_argument("--plot", metavar="PNG", help="write the roofline plot (bytes/token vs tokens/s) here")
+    p.add_argument("--profile", nargs="+", choices=SPEED_METHODS, default=[],
+                   help="after timing, profile one run of these methods (torch.profiler) and print the top ops")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------ the roofline
+def measure_bandwidth(mbytes: int = 256, repeats: int = 5) -> tuple[float, float]:
+    """(copy, read) bytes per second over a 256 MB tensor, each the best of `repeats`, at the current
+    thread count. copy = dst.copy_(src), counted as read + write; read = src.sum(), reading only, as a
+    decode step reads its weights. The ceiling uses the read figure (a copy also pays for its writes)."""
+    src = torch.ones(mbytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best_copy = best_read = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best_copy = min(best_copy, time.perf_counter() - start)
+        start = time.perf_counter()
+        src.sum()
+        best_read = min(best_read, time.perf_counter() - start)
+    return 2 * src.nbytes / best_copy, src.nbytes / best_read
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: every linear (quantized or not, scales included), every
+    norm, and one row of each embedding table (a tied head is counted once, as the head)."""
+    layers = (nn.Linear, Int8Linear, Int4Linear, nn.LayerNorm, RMSNorm)
+    total = sum(t.nbytes for m in model.modules() if isinstance(m, layers) for t in m.state_dict().values())
+    rows = 1 + (model.pos_emb is not None)
+    return total + rows * model.config.d_model * model.tok_emb.weight.element_size()
+
+
+def kv_bytes_per_slot(cfg: TransformerConfig, element_size: int = 4) -> int:
+    return 2 * cfg.n_layer * cfg.n_kv_heads * cfg.d_head * element_size  # k and v, every layer
+
+
+# ------------------------------------------------------------------------------------------ speed
+def build_pair(name: str, max_len: int, device: str):
+    """A random HF GPT-2 of this layout and our model imported from it: identical weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    n_layer, n_heads, d_model, vocab = MODELS[name]
+    hf_cfg = GPT2Config(vocab_size=vocab, n_embd=d_model, n_layer=n_layer, n_head=n_heads,
+                        n_positions=max(1024, max_len), bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(hf_cfg).eval().to(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        ours = TransformerLM.from_pretrained(tmp, device=device, attn_backend="sdpa")
+    return ours.eval(), hf
+
+
+def speed_runners(ours, hf, group_size):
+    """method -> (model it runs, function of (idx, n_new))."""
+    def hf_run(idx, n):
+        return hf.generate(idx, attention_mask=torch.ones_like(idx), do_sample=False, max_new_tokens=n,
+                           min_new_tokens=n, pad_token_id=0, eos_token_id=None)[:, idx.shape[1]:]
+
+    int8 = quantize(copy.deepcopy(ours), "int8")
+    int4 = quantize(copy.deepcopy(ours), "int4", group_size=group_size)
+    return {
+        "hf": (ours, hf_run),
+        "eager": (ours, lambda idx, n: generate(ours, idx, n)),
+        "compiled": (ours, lambda idx, n: generate(ours, idx, n, compile=True)),
+        "int8": (int8, lambda idx, n: generate(int8, idx, n, compile=True)),
+        "int4": (int4, lambda idx, n: generate(int4, idx, n, compile=True)),
+    }
+
+
+def run_speed(name: str, args, bandwidth: float) -> list[dict]:
+    n_new = args.new_tokens if name == "char" else args.gpt2_new_tokens
+    T = args.prompt_len
+    ours, hf = build_pair(name, T + n_new, args.device)
+    runners = {m: r for m, r in speed_runners(ours, hf, args.group_size).items() if m in args.methods}
+    idx = torch.randint(1, ours.config.vocab_size, (1, T), device=args.device)
+    first = {}
+    for m in tqdm(runners, desc=f"{name}: warm-up and compile", unit="method"):
+        compiled = m in ("compiled", "int8", "int4")  # warm up at the timed length: the same static graph
+        first[m] = runners[m][1](idx, n_new if compiled else 8)[:, :8]
+    for m in ("hf", "compiled"):
+        if m in first and "eager" in first and not torch.equal(first[m], first["eager"]):
+            raise SystemExit(f"{name}: {m} produced other greedy tokens than eager: {first[m]} vs {first['eager']}")
+    seconds = dict.fromkeys(runners, float("inf"))
+    jobs = [m for _ in range(args.repeats) for m in runners]  # methods take turns: load changes hit all
+    for m in tqdm(jobs, desc=f"{name}: timed runs", unit="run"):
+        with torch.inference_mode():
+            start = time.perf_counter()
+            runners[m][1](idx, n_new)
+            seconds[m] = min(seconds[m], time.perf_counter() - start)
+    for m in args.profile:
+        if m in runners:
+            profile_run(f"{name} {m}", lambda: runners[m][1](idx, n_new))  # noqa: B023
+    rows = []
+    for m, (model, _) in runners.items():
+        slots = static_length(T + n_new, ours.config.max_seq_len) if m in ("compiled", "int8", "int4") \
+            else T + n_new / 2  # a static cache reads every slot; a growing one the mean length
+        read = weight_bytes(model) + slots * kv_bytes_per_slot(ours.config)
+        tok_s = n_new / seconds[m]
+        rows.append(dict(model=name, method=m, tok_s=tok_s, bytes=read, weights=weight_bytes(model),
+                         ceiling=bandwidth / read, share=tok_s * read / bandwidth))
+    return rows
+
+
+def profile_run(title: str, fn, top: int = 8) -> None:
+    """Where the time of one run goes: the ops with the most self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    print(f"\nprofile: {title}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+
+
+def print_speed(rows: list[dict]) -> None:
+    print(f"\n{'model':>5} | {'method':>8} | {'tok/s':>8} | {'MB/token':>8} | {'weights MB':>10} | "
+          f"{'ceiling tok/s':>13} | {'share':>6} | {'x hf':>5} | {'x compiled':>10}")
+    for row in rows:
+        same = {r["method"]: r for r in rows if r["model"] == row["model"]}
+        ratio = {ref: f"{row['tok_s'] / same[ref]['tok_s']:.2f}" if ref in same else "-" for ref in ("hf", "compiled")}
+        print(f"{row['model']:>5} | {row['method']:>8} | {row['tok_s']:>8.1f} | {row['bytes'] / 1e6:>8.2f} | "
+              f"{row['weights'] / 1e6:>10.2f} | {row['ceiling']:>13.0f} | {row['share']:>6.1%} | "
+              f"{ratio['hf']:>5} | {ratio['compiled']:>10}")
+
+
+def plot_roofline(rows: list[dict], bandwidth: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [r["bytes"] for r in rows]
+    span = torch.logspace(torch.log10(torch.tensor(min(xs) / 2)), torch.log10(torch.tensor(max(xs) * 2)), 50)
+    ax.plot(span, bandwidth / span, "k--", label=f"ceiling: {bandwidth / 1e9:.1f} GB/s / bytes per token")
+    for r in rows:
+        marker = "o" if r["model"] == "char" else "s"
+        ax.scatter(r["bytes"], r["tok_s"], marker=marker, label=f"{r['model']} {r['method']} ({r['share']:.0%})")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("bytes read per token")
+    ax.set_ylabel("tokens / s")
+    ax.set_title("batch-1 greedy decode against the memory-bandwidth ceiling")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+# ----------------------------------------------------------------------------------------- tricks
+TRAINED_LAYOUT = dict(d_model=384, n_heads=6, ffn="gelu_tanh", bias=True, tie_weights=True, attn_backend="sdpa")
+
+
+def trained_models(args):
+    """(target, draft, held-out ids): trained here (batch 8 of --context tokens) or loaded from --trained."""
+    from mini_transformer.data import load_text, split_tokens
+    from mini_transformer.tokenizer import load_tokenizer
+    from mini_transformer.train import TrainConfig, train
+
+    root = Path(args.trained) if args.trained else Path(tempfile.mkdtemp(prefix="bench-decode-"))
+    models = {}
+    for role, n_layer in (("target", 6), ("draft", args.draft_layers)):
+        path = root / role
+        if not (path / "config.json").is_file():
+            cfg = TrainConfig(data=args.data, max_steps=args.train_steps, batch_size=8, block_size=args.context,
+                              eval_interval=args.train_steps, eval_batches=4, num_samples=0, device=args.device,
+                              out_dir=str(root / f"{role}-run"), progress=True)
+            model_cfg = TransformerConfig(vocab_size=65, n_layer=n_layer, max_seq_len=args.context, **TRAINED_LAYOUT)
+            result = train(cfg, model_cfg)
+            result.model.save_pretrained(path)
+            result.tokenizer.save(path)
+        models[role] = TransformerLM.from_pretrained(path, device=args.device).eval()
+    tokenizer = load_tokenizer(root / "target")
+    text, _ = load_text(args.data)
+    _, val = split_tokens(torch.tensor(tokenizer.encode(text)), args.context)
+    return models["target"], models["draft"], val.to(args.device)
+
+
+@torch.inference_mode()
+def perplexity(model, val: torch.Tensor, block: int, windows: int = 64) -> float:
+    n = min(windows, (len(val) - 1) // block)
+    x = val[:n * block].view(n, block)
+    y = val[1:n * block + 1].view(n, block)
+    losses = [model(x[i:i + 16], targets=y[i:i + 16])[1] for i in range(0, n, 16)]
+    return float(torch.stack(losses).mean().exp())
+
+
+def timed(fn, repeats: int = 3):
+    """(output, best seconds of `repeats` runs): short runs on a shared machine, so the least disturbed."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - start)
+    return out, best
+
+
+def run_tricks(args) -> None:
+    target, draft, val = trained_models(args)
+    ctx = args.context
+    rows = [("fp32", perplexity(target, val, ctx))]
+    for mode in ("int8", "int4"):
+        rows.append((mode, perplexity(quantize(copy.deepcopy(target), mode, group_size=args.group_size), val, ctx)))
+    print(f"\nheld-out perplexity of the trained 6x384 char model ({args.train_steps} steps; "
+          f"{min(64, (len(val) - 1) // ctx)} held-out windows of {ctx} tokens)")
+    for mode, ppl in rows:
+        print(f"  {mode:>5}: {ppl:.4f}  ({ppl / rows[0][1]:.4f}x fp32)")
+
+    half, quarter = ctx // 2, ctx // 4
+    prompts = {  # name -> (prompt ids (1, T), new tokens): prompt + new tokens fill the context
+        "plain": (val[None, :16], ctx - 16),
+        "plain-long": (val[None, 200:200 + half], ctx - half),
+        "repetitive": (val[None, 400:400 + quarter].repeat(1, 2), ctx - half),
+    }
+    k = args.speculative_tokens
+    cases = [("speculative", "plain", draft), ("prompt lookup", "plain-long", "prompt_lookup"),
+             ("prompt lookup", "repetitive", "prompt_lookup")]
+    print(f"\ngreedy, batch 1, {args.threads} thread(s), best of 3 runs; k = {k} drafted tokens per target pass; "
+          f"draft = {args.draft_layers} layer(s) x 384")
+    print(f"{'method':>13} | {'prompt':>10} | {'new':>4} | {'plain tok/s':>11} | {'tok/s':>7} | {'speed-up':>8} | "
+          f"{'accepted':>8} | {'tokens/pass':>11} | identical")
+    for method, prompt_name, drafter in cases:
+        idx, n_new = prompts[prompt_name]
+        params = SamplingParams(max_tokens=n_new)
+        generate(target, idx, 4)  # warm-up
+        plain, plain_s = timed(lambda: generate(target, idx, params))  # noqa: B023
+        stats = SpeculativeStats()  # counts of the first run (greedy: every run is the same)
+        fast, fast_s = timed(lambda: speculative_generate(target, idx, params, drafter, k,  # noqa: B023
+                                                          stats=stats if not stats.rounds else None))  # noqa: B023
+        print(f"{method:>13} | {prompt_name:>10} | {n_new:>4} | {n_new / plain_s:>11.1f} | {n_new / fast_s:>7.1f} | "
+              f"{plain_s / fast_s:>7.2f}x | {stats.acceptance_rate:>8.1%} | {n_new / stats.rounds:>11.2f} | "
+              f"{torch.equal(plain, fast)}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"threads {args.threads}, device {args.device}, load average {os.getloadavg()[0]:.2f}")
+    if "speed" in args.parts:
+        copy_bw, bandwidth = measure_bandwidth()
+        print(f"memory bandwidth, 256 MB: copy (read + write) {copy_bw / 1e9:.2f} GB/s, "
+              f"read {bandwidth / 1e9:.2f} GB/s (the ceiling uses read)")
+        rows = [row for name in args.models for row in run_speed(name, args, bandwidth)]
+        print(f"batch 1, greedy, prompt {args.prompt_len}; new tokens: char {args.new_tokens}, "
+              f"gpt2 {args.gpt2_new_tokens}; best of {args.repeats} interleaved runs; int8/int4 compiled; "
+              f"int4 group {args.group_size}")
+        print_speed(rows)
+        if args.plot:
+            plot_roofline(rows, bandwidth, args.plot)
+    if "tricks" in args.parts:
+        run_tricks(args)
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""Weight-only quantization: int8 per output channel, int4 per group; activations stay in float.
+
+Decoding one token reads every weight once and does little arithmetic with each, so its speed is set by
+how many bytes the weights take. Storing them in 8 or 4 bits reads 4x or 8x fewer bytes than fp32:
+
+  int8  w[n, k] ~ s[n] * q[n, k],            q in [-127, 127], s[n] = max_k |w[n, k]| / 127  (symmetric)
+  int4  w[n, k] ~ s[n, g] * q[n, k] + m[n, g], q in [0, 15], per group g of `group_size` inputs:
+        m = the group's min, s = (max - min) / 15                                            (asymmetric)
+
+Rounding moves each weight by at most half a step: |w - w_hat| <= s / 2. For an output
+y[n] = sum_k x[k] w[n, k] the error is therefore at most sum_k |x[k]| * s[n, group(k)] / 2 (tests check it).
+
+    quantize(model, "int8")               # every nn.Linear replaced in place; the model stays one TransformerLM
+    quantize(model, "int4", group_size=64)
+    save_quantized(model, path); model = load_quantized(path)
+
+How the matmul reads the small weights, three ways (the same numbers up to float rounding):
+  * inside a compiled decode step (a few rows): written as multiply-and-sum over the input dimension,
+    which inductor fuses into ONE reduction kernel that reads the int8 / packed int4 bytes directly;
+  * `packed_kernels=True`: PyTorch's packed kernels (`aten._weight_int8pack_mm`, on the CPU
+    `aten._weight_int4pack_mm_for_cpu`). They run on this project's CPU build but measured 13-50x slower
+    than the fp32 matmul at batch 1 (docs/08), so they are opt-in;
+  * otherwise (eager, prefill): dequantize, then F.linear.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MODES = ("int8", "int4")
+FUSED_MAX_ROWS = 8  # a compiled step with at most this many rows (batch x tokens) uses the fused reduction
+QUANT_CONFIG_NAME = "quantization.json"
+
+
+@cache
+def _kernel_works(name: str, device_type: str) -> bool:
+    """Whether aten's packed kernel `name` runs on this build and device (tried once on a tiny input)."""
+    try:
+        x = torch.randn(1, 64, device=device_type)
+        if name == "int8":
+            w = torch.ones(8, 64, dtype=torch.int8, device=device_type)
+            torch.ops.aten._weight_int8pack_mm(x, w, torch.ones(8, device=device_type))
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.zeros(16, 64, dtype=torch.int32), 1)
+            torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, torch.ones(2, 16, 2))
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()  # (..., K) -> (M, K): the kernels take 2-D inputs
+
+
+class Int8Linear(nn.Module):
+    """y = (x @ q^T) * s + b with q (N, K) int8 and one scale per output channel s (N,)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.ones(out_features, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+        self.use_kernel = False  # a plain attribute, set by quantize(): a compiled step sees a constant
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        w = linear.weight.detach().float()  # (N, K)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, device=w.device)
+        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,)
+        layer.weight.copy_(torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        layer.scales.copy_(scales)
+        if linear.bias is not None:
+            layer.bias.copy_(linear.bias.detach())
+        return layer
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float() * self.scales[:, None]  # (N, K)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]  # static under torch.compile
+        if torch.compiler.is_compiling() and rows <= FUSED_MAX_ROWS:
+            y = int8_rowwise(_flat(x), self.weight, self.scales).view(*x.shape[:-1], self.out_features)
+        elif self.use_kernel:
+            y = torch.ops.aten._weight_int8pack_mm(_flat(x), self.weight, self.scales.to(x.dtype))  # (M, N)
+            y = y.view(*x.shape[:-1], self.out_features)
+        else:
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+def int8_rowwise(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float, q (N, K) int8, scales (N,) -> (M, N): sum_k x[m, k] q[n, k], times scales[n].
+    Written as multiply-and-sum (not F.linear) so that inductor fuses the int8 -> float cast into the
+    reduction and reads one byte per weight; eager, it would materialise (M, N, K) — small M only."""
+    return (x[:, None, :] * q.to(x.dtype)).sum(dim=-1) * scales.to(x.dtype)  # (M, N, K) -> (M, N)
+
+
+def int4_rowwise(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int):
+    """x (M, K) float, packed (N, K/2) uint8 (pack_nibbles), scales_and_zeros (G, N, 2) -> (M, N).
+    Each group of the input is split into its even and odd columns (the low and high nibbles of the
+    same bytes), so the 4-bit values are never interleaved back: one fused reduction under compile."""
+    M, K = x.shape
+    N, G = packed.shape[0], K // group_size
+    nibbles = packed.view(N, G, group_size // 2)
+    scale = scales_and_zeros[..., 0].T[..., None].to(x.dtype)  # (N, G, 1)
+    zero = scales_and_zeros[..., 1].T[..., None].to(x.dtype)
+    w_even = ((nibbles & 0xF).to(x.dtype) - 8) * scale + zero  # (N, G, group/2): columns 0, 2, 4, ...
+    w_odd = ((nibbles >> 4).to(x.dtype) - 8) * scale + zero  # columns 1, 3, 5, ...
+    x_even = x[:, 0::2].reshape(M, 1, G, group_size // 2)
+    x_odd = x[:, 1::2].reshape(M, 1, G, group_size // 2)
+    return (x_even * w_even + x_odd * w_odd).sum(dim=(-1, -2))  # (M, N, G, group/2) -> (M, N)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values in [0, 15] -> (N, K/2) uint8: column 2j in the low half of byte j, 2j+1 in the high."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_nibbles: (N, K/2) uint8 -> (N, K) int32 in [0, 15]."""
+    low, high = packed & 0xF, packed >> 4
+    return torch.stack([low, high], dim=-1).flatten(1).to(torch.int32)  # (N, K)
+
+
+class Int4Linear(nn.Module):
+    """Group-wise 4-bit weights: w[n, k] ~ q[n, k] * scale[g, n] + min[g, n], g = k // group_size.
+
+    `weight` (N, K/2) uint8 holds two 4-bit values per byte (the portable form that is saved);
+    `scales_and_zeros` (K/group_size, N, 2) holds, per group, the scale and the value of q = 8 —
+    the layout aten's int4 kernel reads ((q - 8) * scale + zero). When that kernel runs here, its own
+    packing of the weight is kept beside (not saved; rebuilt on load)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int, device=None,
+                 use_kernel: bool = False):
+        super().__init__()
+        assert in_features % group_size == 0 and group_size % 2 == 0
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.use_kernel = use_kernel
+        n_groups = in_features // group_size
+        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales_and_zeros", torch.zeros(n_groups, out_features, 2, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+        self.register_buffer("kernel_weight", None, persistent=False)
+        self.register_buffer("kernel_scales_and_zeros", None, persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.repack())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int, use_kernel: bool = False) -> Int4Linear:
+        w = linear.weight.detach().float()  # (N, K)
+        N, K = w.shape
+        layer = cls(K, N, linear.bias is not None, group_size, device=w.device, use_kernel=use_kernel)
+        groups = w.view(N, K // group_size, group_size)  # (N, G, group_size)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (N, G)
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).view(N, K)
+        layer.weight.copy_(pack_nibbles(q))
+        zero = low + 8 * scale  # the value of q = 8, the kernel's zero point
+        layer.scales_and_zeros.copy_(torch.stack([scale, zero], dim=-1).transpose(0, 1))  # (G, N, 2)
+        if linear.bias is not None:
+            layer.bias.copy_(linear.bias.detach())
+        layer.repack()
+        return layer
+
+    def repack(self) -> None:
+        """Build the CPU kernel's own packing of the weight, if that kernel runs here. It takes groups of
+        32, 64, 128 or 256 and N divisible by 16: other N (GPT-2's 50257-word head) get zero rows up to
+        the next multiple of 16, and the output is cut back to N."""
+        self.kernel_weight = self.kernel_scales_and_zeros = None
+        if not self.use_kernel or self.weight.device.type != "cpu" or self.group_size not in (32, 64, 128, 256) \
+                or not _kernel_works("int4", "cpu"):
+            return
+        pad = -self.out_features % 16
+        q = F.pad(unpack_nibbles(self.weight), (0, 0, 0, pad))  # (N + pad, K) int32
+        self.kernel_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        self.kernel_scales_and_zeros = F.pad(self.scales_and_zeros, (0, 0, 0, pad))  # (G, N + pad, 2)
+
+    def dequantize(self) -> torch.Tensor:
+        q = unpack_nibbles(self.weight).float()  # (N, K)
+        scale, zero = self.scales_and_zeros.transpose(0, 1).unbind(-1)  # (N, G) each
+        q = q.view(self.out_features, -1, self.group_size)  # (N, G, group_size)
+        return ((q - 8) * scale[..., None] + zero[..., None]).view(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if torch.compiler.is_compiling() and rows <= FUSED_MAX_ROWS:
+            y = int4_rowwise(_flat(x), self.weight, self.scales_and_zeros, self.group_size)
+            y = y.view(*x.shape[:-1], self.out_features)
+        elif self.kernel_weight is not None and x.device.type == "cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                _flat(x), self.kernel_weight, self.group_size, self.kernel_scales_and_zeros.to(x.dtype))
+            y = y[:, :self.out_features].reshape(*x.shape[:-1], self.out_features)  # (M, N + pad) -> (..., N)
+        else:
+            y = F.linear(x, self.dequantize().to(x.dtype))
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+def quantize(model: nn.Module, mode: str, group_size: int = 64, *, packed_kernels: bool = False) -> nn.Module:
+    """Replace every nn.Linear of `model` in place by an Int8Linear or Int4Linear; returns the same model.
+    `packed_kernels=True` runs eager matmuls through aten's packed kernels where they work.
+
+    int4 leaves a layer whose input width is not a multiple of group_size in float (named in
+    `model.quantization["skipped"]`). A tied head gets its own quantized copy; the embedding stays float."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not known; expected one of {', '.join(MODES)}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 or group_size % 2:
+        raise ValueError(f"group_size={group_size!r} must be an even integer >= 2")
+    if getattr(model, "quantization", None):
+        raise ValueError(f"the model is already quantized ({model.quantization['mode']})")
+    skipped = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            full_name = f"{name}.{child_name}" if name else child_name
+            if mode == "int8":
+                layer = Int8Linear.from_linear(child)
+                layer.use_kernel = packed_kernels and _kernel_works("int8", child.weight.device.type)
+                setattr(module, child_name, layer)
+            elif child.in_features % group_size == 0:
+                setattr(module, child_name, Int4Linear.from_linear(child, group_size, use_kernel=packed_kernels))
+            else:
+                skipped.append(full_name)
+    model.quantization = {"mode": mode, "group_size": group_size, "skipped": skipped}
+    return model
+
+
+def save_quantized(model: nn.Module, path: str | Path) -> None:
+    """config.json + model.safetensors (the quantized tensors as they are) + quantization.json, then the
+    manifest (sizes and sha256 of the files, written last, as checkpoint.py does)."""
+    from safetensors.torch import save_file
+
+    from .checkpoint import CONFIG_NAME, MANIFEST_NAME, WEIGHTS_NAME, write_manifest
+
+    if not getattr(model, "quantization", None):
+        raise ValueError("the model is not quantized; call quantize(model, mode) first")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / MANIFEST_NAME).unlink(missing_ok=True)  # a save killed half-way must not look complete
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(path / WEIGHTS_NAME))
+    (path / CONFIG_NAME).write_text(json.dumps({"model_type": "mini-transformer", **model.config.to_dict()}, indent=2))
+    (path / QUANT_CONFIG_NAME).write_text(json.dumps(model.quantization, indent=2))
+    write_manifest(path)
+
+
+def is_quantized_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / QUANT_CONFIG_NAME).is_file()
+
+
+def load_quantized(path: str | Path, *, device: str | torch.device = "cpu"):
+    """Rebuild the model from config.json, quantize its (random) linears to make the right modules, then
+    load the saved tensors into them (strict: a missing or extra tensor is an error)."""
+    from safetensors.torch import load_file
+
+    from .checkpoint import CONFIG_NAME, WEIGHTS_NAME, verify_manifest
+    from .config import TransformerConfig
+    from .transformer import TransformerLM
+
+    path = Path(path)
+    if not is_quantized_checkpoint(path):
+        raise ValueError(f"path={str(path)!r} has no {QUANT_CONFIG_NAME}; expected a directory from save_quantized")
+    verify_manifest(path)
+    raw = json.loads((path / CONFIG_NAME).read_text())
+    raw.pop("model_type", None)
+    settings = json.loads((path / QUANT_CONFIG_NAME).read_text())
+    model = quantize(TransformerLM(TransformerConfig.from_dict(raw)), settings["mode"], settings["group_size"])
+    model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=True)
+    return model.to(device).eval()

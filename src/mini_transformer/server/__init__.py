@@ -1,0 +1,12 @@
+"""The OpenAI-compatible HTTP server around the serving engine, and its live page.
+
+    mini-transformer serve --checkpoint DIR [--port 8000]
+
+`build_context` loads a checkpoint and starts nothing; `create_app` makes the FastAPI app (the engine
+loop thread starts and stops with it); `serve` runs it under uvicorn.
+"""
+
+from .app import ServerContext, create_app
+from .run import build_context, serve
+
+__all__ = ["ServerContext", "build_context", "create_app", "serve"]

@@ -1,0 +1,251 @@
+"""One thread owns the engine; every HTTP request talks to it through queues.
+
+The engine is not thread-safe, so exactly one thread ever touches it: it takes new requests and aborts
+from an inbox, runs `engine.step()`, and hands each request's new token ids to that request's asyncio
+queue (`loop.call_soon_threadsafe`). While nothing is in flight it sleeps on the inbox. Requests from
+all clients meet in the same engine steps: that is continuous batching seen from the server.
+
+    HTTP handler --submit()--> inbox --thread--> engine.add_request / step / abort
+    HTTP handler <--asyncio.Queue-- Accepted | StepOutput | Failed <--thread--
+
+Door checks happen in the HTTP layer before `submit`; what is left to fail here is what only the engine
+knows (it raises on add_request: the handler answers 400) or an engine crash (every request in flight
+fails with 500 and the loop goes on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling import SamplingParams
+from .metrics import ServerMetrics
+from .protocol import ErrorResponse
+from .state import engine_counts, engine_state
+
+STATE_INTERVAL_S = 0.1  # the engine state snapshot is rebuilt at most this often while busy
+RATE_WINDOW_S = 2.0  # tokens/s is measured over this trailing window
+
+
+@dataclass
+class Accepted:
+    """The engine took the request (add_request returned)."""
+
+
+@dataclass
+class StepOutput:
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+
+
+@dataclass
+class Failed:
+    error: ErrorResponse
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """One choice in flight: the engine thread writes (index, item) to `queue`, the asyncio side reads it
+    (the choices of one HTTP request share a queue, `index` tells them apart)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    index: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    engine_id: object = None  # the engine's request id, set by the engine thread
+    first_token_at: float | None = None
+    n_output: int = 0
+    cancelled: bool = False  # aborted (engine thread's view)
+    done: bool = False  # finished or aborted (asyncio side's view)
+
+    def push(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
+
+
+def _put_all(batch: list[tuple[RequestHandle, object]]) -> None:
+    """On the event loop: put each item into its request's queue."""
+    for handle, item in batch:
+        handle.queue.put_nowait((handle.index, item))
+
+
+class EngineLoop:
+    def __init__(self, engine, metrics: ServerMetrics, *, max_num_seqs: int, max_waiting: int):
+        self.engine, self.metrics = engine, metrics
+        self.capacity = max_num_seqs + max_waiting  # requests in flight beyond this are refused (429)
+        self.in_flight = 0  # counted on the asyncio side: submitted and not yet ended
+        self.draining = False  # shutting down: no new requests
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._active: dict[object, RequestHandle] = {}  # engine request id -> handle (engine thread only)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._state_lock = threading.Lock()
+        self._state: dict = {}
+        self._state_time = 0.0
+        self._recent_tokens: collections.deque = collections.deque()  # (time, tokens) within RATE_WINDOW_S
+        self._tokens_total = 0
+
+    # ------------------------------------------------------------------ the asyncio side
+    def start(self) -> None:
+        self._publish_state(force=True)
+        self._thread.start()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, outbox: asyncio.Queue, index: int
+               ) -> RequestHandle:
+        """Queue one choice for the engine; its news go to `outbox` tagged with `index`.
+        Admission (429, 503) is `reserve`'s job, called first."""
+        handle = RequestHandle(prompt_ids, params, asyncio.get_running_loop(), outbox, index)
+        self._inbox.put(("add", handle))
+        return handle
+
+    def reserve(self, n: int) -> None:
+        """Count n new choices in flight, or refuse them all (429) when that would pass the capacity."""
+        if self.draining:
+            raise ErrorResponse(503, "the server is shutting down", code="server_shutting_down")
+        if self.in_flight + n > self.capacity:
+            raise ErrorResponse(
+                429, f"too many requests waiting: {self.in_flight} in flight, room for {self.capacity} "
+                     "(--max-num-seqs running + --max-waiting queued); retry later", code="too_many_requests")
+        self.in_flight += n
+
+    def release(self, n: int) -> None:
+        self.in_flight -= n
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Stop a choice (client gone, stop string seen); its blocks are freed at the next loop turn."""
+        self._inbox.put(("abort", handle))
+
+    def state(self) -> dict:
+        with self._state_lock:
+            return self._state
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop.is_set():
+            self._drain_inbox(block=not self._active)
+            if not self._active:
+                self._publish_state(force=True)
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as err:  # an engine bug must not kill the server: fail what is in flight
+                self._fail_all(ErrorResponse(500, f"engine step failed: {type(err).__name__}: {err}"))
+                continue
+            self._deliver(outputs, time.monotonic())
+            self._publish_state(force=not self._active)
+        self._fail_all(ErrorResponse(503, "the server is shutting down", code="server_shutting_down"))
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, handle: RequestHandle | None) -> None:
+        if kind == "add" and not handle.cancelled:
+            try:
+                handle.engine_id = self.engine.add_request(handle.prompt_ids, handle.params)
+            except (ValueError, TypeError) as err:
+                handle.push(Failed(ErrorResponse(400, str(err))))
+                return
+            self._active[handle.engine_id] = handle
+            self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
+            handle.push(Accepted())
+        elif kind == "abort":
+            handle.cancelled = True
+            if self._active.pop(handle.engine_id, None) is not None:
+                self.engine.abort(handle.engine_id)
+                self.metrics.finished.labels("abort").inc()
+
+    def _deliver(self, outputs, now: float) -> None:
+        """Hand each request its new ids: one wake-up of the event loop per step, not one per request."""
+        produced, batch = 0, []
+        for out in outputs:
+            handle = self._active.get(out.request_id)
+            if handle is None:  # aborted while the step ran
+                continue
+            new_ids = [int(t) for t in out.new_token_ids]
+            produced += len(new_ids)
+            if new_ids and handle.first_token_at is None:
+                handle.first_token_at = now
+                self.metrics.ttft.observe(now - handle.arrival)
+            handle.n_output += len(new_ids)
+            reason = None
+            if out.finished:
+                reason = self._finish_reason(out, handle)
+                del self._active[out.request_id]
+                self._observe_finished(handle, reason, now)
+            batch.append((handle, StepOutput(new_ids, out.finished, reason)))
+        if batch:  # every handle lives on the server's one event loop
+            batch[0][0].loop.call_soon_threadsafe(_put_all, batch)
+        self.metrics.generation_tokens.inc(produced)
+        self._tokens_total += produced
+        self._recent_tokens.append((now, produced))
+
+    @staticmethod
+    def _finish_reason(out, handle: RequestHandle) -> str:
+        reason = getattr(out, "finish_reason", None)
+        if reason in ("stop", "length", "abort"):
+            return reason
+        return "length" if handle.n_output >= handle.params.max_tokens else "stop"
+
+    def _observe_finished(self, handle: RequestHandle, reason: str, now: float) -> None:
+        self.metrics.finished.labels(reason).inc()
+        self.metrics.e2e.observe(now - handle.arrival)
+        if handle.first_token_at is not None and handle.n_output > 1:
+            self.metrics.tpot.observe((now - handle.first_token_at) / (handle.n_output - 1))
+
+    def _fail_all(self, error: ErrorResponse) -> None:
+        for engine_id, handle in list(self._active.items()):
+            try:
+                self.engine.abort(engine_id)
+            except Exception:  # the engine is already broken; the request fails either way
+                pass
+            handle.push(Failed(error))
+        self._active.clear()
+
+    def _tokens_per_s(self, now: float) -> float:
+        while self._recent_tokens and self._recent_tokens[0][0] < now - RATE_WINDOW_S:
+            self._recent_tokens.popleft()
+        return sum(n for _, n in self._recent_tokens) / RATE_WINDOW_S
+
+    def _publish_state(self, force: bool) -> None:
+        """Refresh the gauges and the /v1/engine/state snapshot (at most every STATE_INTERVAL_S while busy)."""
+        now = time.monotonic()
+        if not force and now - self._state_time < STATE_INTERVAL_S:
+            return
+        running, waiting = engine_counts(self.engine)
+        stats = self.engine.stats()
+        m = self.metrics
+        m.running.set(running)
+        m.waiting.set(waiting)
+        m.num_blocks.set(stats["num_blocks"])
+        m.blocks_in_use.set(stats["blocks_in_use"])
+        m.preemptions.set(stats.get("preemptions", 0))
+        hit, computed = stats.get("prefix_cache_hit_tokens", 0), stats.get("prefill_tokens_computed", 0)
+        m.prefix_hit_rate.set(hit / (hit + computed) if hit + computed else 0.0)
+        state = engine_state(self.engine, {h.engine_id: h for h in self._active.values()})
+        state.update(time=time.time(), tokens_per_s=round(self._tokens_per_s(now), 2),
+                     tokens_generated=self._tokens_total, stats=stats)
+        with self._state_lock:
+            self._state, self._state_time = state, now

@@ -1,0 +1,68 @@
+"""Build a server from a checkpoint directory and run it with uvicorn.
+
+Shutdown (SIGTERM or Ctrl-C): uvicorn stops accepting connections and waits for the open ones; we also
+mark the engine loop as draining, so new requests get 503 and /v1/engine/state streams end, while
+requests already running finish normally. Then the engine thread stops and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from ..checkpoint import resolve_checkpoint_dir
+from ..transformer import TransformerLM
+from .app import ServerContext, create_app
+from .engine_loop import EngineLoop
+from .metrics import ServerMetrics
+from .text import TextCodec
+
+GRACEFUL_SHUTDOWN_S = 60  # running requests get this long to finish after SIGTERM
+
+
+def build_context(checkpoint: str | Path, *, model_name: str | None = None, api_key: str | None = None,
+                  block_size: int = 16, kv_cache_bytes: int | None = None, num_blocks: int | None = None,
+                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_waiting: int = 256,
+                  device: str = "cpu", model=None) -> ServerContext:
+    """Load the model and tokenizer of `checkpoint` (ours or a Hugging Face GPT-2 / Llama directory) and
+    put an engine around them. `model` may be given to serve a model already in memory."""
+    from ..engine import LLMEngine
+
+    for name, value in (("max_waiting", max_waiting), ("max_num_seqs", max_num_seqs)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}={value!r} must be a non-negative integer")
+    if api_key is not None and not api_key:
+        raise ValueError("api_key is empty; give a key, or none to serve without one")
+    checkpoint = resolve_checkpoint_dir(checkpoint)  # `best` is found even in the middle of a save
+    codec = TextCodec(checkpoint)
+    if model is None:  # verifies the checkpoint's manifest first
+        model = TransformerLM.from_pretrained(checkpoint, device=device)
+    engine = LLMEngine(model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    stats = engine.stats()
+    metrics = ServerMetrics()
+    return ServerContext(
+        engine_loop=EngineLoop(engine, metrics, max_num_seqs=max_num_seqs, max_waiting=max_waiting),
+        codec=codec, metrics=metrics, model_name=model_name or Path(checkpoint).resolve().name,
+        max_model_len=model.config.max_seq_len, pool_tokens=stats["num_blocks"] * block_size,
+        vocab_size=model.config.vocab_size, api_key=api_key,
+    )
+
+
+def serve(ctx: ServerContext, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            ctx.engine_loop.draining = True  # new requests: 503; state streams end so connections can close
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(create_app(ctx), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    # uvicorn re-raises the signal that stopped it once it is done, under the handler that was there
+    # before it started. Put a no-op there, so a graceful SIGTERM ends with exit status 0.
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    try:
+        Server(config).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,135 @@
+"""Text in and text out: the checkpoint's tokenizer, the chat template, and a detokenizer that turns a
+growing list of token ids into text pieces for a stream, cutting at stop strings.
+
+Chat template: a Hugging Face directory whose tokenizer_config.json has `chat_template` is rendered with
+Jinja exactly as `transformers` does (a sandboxed environment, trim_blocks and lstrip_blocks, the
+variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token` and `raise_exception`).
+Without one, the documented plain template `DEFAULT_CHAT_TEMPLATE` below is used:
+
+    System: You are terse.
+    User: Hello
+    Assistant:
+
+(one line per message, `Role: content`, and a final `Assistant:` that the model continues).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..tokenizer import load_tokenizer
+from .protocol import ErrorResponse
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class TextCodec:
+    """A checkpoint directory's tokenizer, end-of-sequence id and chat template."""
+
+    def __init__(self, checkpoint: str | Path):
+        path = Path(checkpoint)
+        self.tokenizer = load_tokenizer(path)
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # several named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        self.chat_template_source = template or DEFAULT_CHAT_TEMPLATE
+        self.bos_token = _token_text(config.get("bos_token")) or ""
+        self.eos_token = _token_text(config.get("eos_token")) or ""
+        self.eos_token_id = self.tokenizer.eos_token_id
+        if self.eos_token and hasattr(self.tokenizer, "tokenizer"):
+            self.eos_token_id = self.tokenizer.tokenizer.token_to_id(self.eos_token) or self.eos_token_id
+        self._template = None
+
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
+        try:
+            ids = self.tokenizer.encode(text)
+        except ValueError as err:
+            raise ErrorResponse(400, f"{param}: {err}", param=param) from None
+        if not ids:
+            raise ErrorResponse(400, f"{param} is empty; give at least one token of text", param=param)
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(self.chat_template_source)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
+        except ErrorResponse:
+            raise
+        except Exception as err:  # a template error is the caller's messages not fitting the template
+            raise ErrorResponse(400, f"the chat template failed on these messages: {err}", param="messages") from None
+
+
+def _raise_template_error(message: str):
+    raise ErrorResponse(400, f"chat template: {message}", param="messages")
+
+
+class IncrementalText:
+    """The text of one choice, handed out piece by piece as its token ids grow.
+
+    The whole output is decoded again at each step (BPE pieces merge, one character may span several
+    byte tokens); text ending in an unfinished character (U+FFFD) waits for the next token. With stop
+    strings, the tail that could still become a stop string is held back; after the first token with
+    which the text contains a stop string, the text is cut just before the earliest one (the stop string
+    itself is not returned, as in OpenAI's API).
+    """
+
+    def __init__(self, codec: TextCodec, stop: list[str]):
+        self.codec, self.stop = codec, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the text already handed out
+        self.out = ""  # the text handed out so far (the choice's text when it ends)
+        self.stopped = False  # a stop string was found: nothing more to send
+
+    def add(self, new_ids: list[int], final: bool) -> str:
+        """Take the new ids; return the text that is now safe to send ('' if none).
+
+        Stop strings are looked for after each token, as if the ids came one at a time, so where a text
+        is cut does not depend on how many tokens arrived together."""
+        if self.stopped:
+            return ""
+        if self.stop:
+            for token in new_ids:
+                self.ids.append(token)
+                text = self.codec.decode(self.ids)
+                hits = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]
+                if hits:
+                    self.stopped = True
+                    return self._emit(text, min(hits))
+        else:
+            self.ids.extend(new_ids)
+        text = self.codec.decode(self.ids)
+        if final:
+            return self._emit(text, len(text))
+        end = len(text) - self.hold
+        if text.endswith("\ufffd"):
+            end = min(end, len(text) - 1)
+        return self._emit(text, end)
+
+    def _emit(self, text: str, end: int) -> str:
+        piece = text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        self.out += piece
+        return piece

@@ -1,0 +1,152 @@
+"""A cache whose decode step has the same shapes every time, so `torch.compile` compiles it once.
+
+`KVCache` attends over the slots written so far: `k[:, :, :length]` grows by one slot per token, so a
+compiled decode step sees a new shape every step and recompiles (or, past dynamo's limit, falls back to
+eager). `StaticCache` answers the same two calls (`begin`, `attend`) as gpt-fast does:
+
+  * the slabs are fixed, one (B, Hkv, max_len, D) tensor per layer;
+  * the slot of the next token is a tensor, `input_pos` (1,), never a Python int, so the step never
+    reads it back to the host and dynamo never specialises on it;
+  * a decode step writes k, v at `input_pos` (`index_copy_`) and attends over ALL max_len slots with a
+    key mask derived from positions, `slot <= input_pos`, combined with the prompt's padding mask.
+
+A T > 1 forward (the prompt) is the one exception: our attention puts queries at the END of the keys,
+so a prefill over all max_len slots would misalign them. The prompt is therefore prefilled eagerly over
+the slots it writes, [0, T), exactly as KVCache does; only the single-token step is compiled.
+
+    cache = StaticCache.for_model(cfg, batch_size=1, max_len=T + n_new)
+    logits = model(prompt, cache=cache, check=False)[0][:, -1]       # eager prefill
+    step = compiled_decode_step(device)                              # torch.compile(fullgraph=True)
+    logits = step(model, next_ids, cache)                            # (B, V), same graph every token
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .config import TransformerConfig
+from .kv_cache import Attend
+
+
+class StaticCache:
+    """Fixed (B, Hkv, max_len, D) slabs per layer; one prefill, then single-token steps at `input_pos`."""
+
+    def __init__(self, n_layer: int, batch_size: int, max_len: int, n_kv_heads: int, d_head: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        for name, value in (("n_layer", n_layer), ("batch_size", batch_size), ("max_len", max_len),
+                            ("n_kv_heads", n_kv_heads), ("d_head", d_head)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        shape = (batch_size, n_kv_heads, max_len, d_head)
+        # One tensor per layer, not one (n_layer, ...) tensor sliced by layer: inductor writes a token in
+        # place into a tensor the graph receives, but a write into a VIEW of one (k[layer]) it turned into
+        # a copy of the whole slab every step (measured: the step slowed as max_len grew).
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        # True = the slot may hold a real token. Only prompt padding is ever False, so together with
+        # `slot <= input_pos` it is the whole key mask of a decode step.
+        self.key_padding_mask = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
+        self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,) position ids
+        self.input_pos = torch.zeros(1, dtype=torch.long, device=device)  # slot of the next token
+        self.slots = torch.arange(max_len, device=device)  # (max_len,)
+        self.prefix_len = 0  # slots [0, prefix_len) written by the eager prefill
+        self.prefix_has_padding = False
+        if torch.device(device).type == "cuda":  # CUDA graphs replay fixed addresses: say these never move
+            for t in (*self.k, *self.v, self.key_padding_mask, self.next_position, self.input_pos, self.slots):
+                torch._dynamo.mark_static_address(t)
+
+    @classmethod
+    def for_model(cls, cfg: TransformerConfig, batch_size: int, max_len: int | None = None, *,
+                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> StaticCache:
+        max_len = cfg.max_seq_len if max_len is None else max_len
+        if max_len > cfg.max_seq_len:
+            raise ValueError(f"max_len={max_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
+        return cls(cfg.n_layer, batch_size, max_len, cfg.n_kv_heads, cfg.d_head, dtype=dtype, device=device)
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.k, *self.v))
+
+    def reset(self) -> None:
+        """Forget everything (the slabs are kept, in place, so a compiled step keeps its addresses)."""
+        self.key_padding_mask.fill_(True)
+        self.next_position.zero_()
+        self.input_pos.zero_()
+        self.prefix_len, self.prefix_has_padding = 0, False
+
+    def begin(self, idx: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        T = idx.shape[1]
+        if T > 1:
+            return self._begin_prefill(idx, attention_mask)
+        # A decode step takes slot input_pos and moves input_pos on (attend writes slot input_pos - 1).
+        # Tensor ops only: no host read, and no Python attribute changes (dynamo would guard on them).
+        self.input_pos += 1
+        positions = self.next_position[:, None].clone()  # (B, 1)
+        self.next_position += 1
+        return positions
+
+    def _begin_prefill(self, idx, attention_mask) -> torch.Tensor:
+        """The prompt (B, T), eager: slots [0, T), positions counted from each row's first real token."""
+        assert self.prefix_len == 0, "a StaticCache takes one prefill; reset() it for a new batch"
+        T = idx.shape[1]
+        self.prefix_len = T
+        self.input_pos.fill_(T)
+        if attention_mask is None:
+            self.next_position.fill_(T)
+            return torch.arange(T, device=idx.device).expand(idx.shape[0], T)  # (B, T)
+        keep = attention_mask.bool()  # (B, T)
+        self.key_padding_mask[:, :T].copy_(keep)
+        self.prefix_has_padding = True
+        self.next_position.copy_(keep.sum(dim=-1))
+        return (keep.cumsum(dim=-1) - 1).clamp(min=0)  # (B, T)
+
+    def attend(self, layer: int, q, k, v, attend: Attend) -> torch.Tensor:
+        """Keep this layer's k, v (B, Hkv, T, D); return the attention output (B, H, T, D)."""
+        if q.shape[2] > 1:  # the eager prefill: attend over the prompt's own slots only
+            T = self.prefix_len
+            k_prefix, v_prefix = self.k[layer][:, :, :T], self.v[layer][:, :, :T]  # (B, Hkv, T, D) views
+            k_prefix.copy_(k)
+            v_prefix.copy_(v)
+            mask = self.key_padding_mask[:, :T] if self.prefix_has_padding else None
+            return attend(q, k_prefix, v_prefix, mask)
+        write_pos = self.input_pos - 1  # (1,) the slot begin() took for this token
+        k_all, v_all = self.k[layer], self.v[layer]  # (B, Hkv, max_len, D): the same shape every step
+        k_all.index_copy_(2, write_pos, k)
+        v_all.index_copy_(2, write_pos, v)
+        visible = self.key_padding_mask & (self.slots <= write_pos)  # (B, max_len): written, not padding
+        return attend(q, k_all, v_all, visible)
+
+
+def _decode_one(model, token: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+    """One token per row (B,) -> its logits (B, V). The function torch.compile traces."""
+    logits, _ = model(token[:, None], cache=cache, check=False)  # (B, 1, V)
+    return logits[:, -1]
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def static_length(needed: int, max_seq_len: int, multiple: int = 128) -> int:
+    """The slab length for `needed` slots: rounded up to a multiple of 128 (at most max_seq_len), so that
+    generate() calls of nearby lengths share one compiled graph instead of compiling one each. The price:
+    a step attends over (masked) slots it does not need yet."""
+    return min(max_seq_len, -(-needed // multiple) * multiple)
+
+
+def compiled_decode_step(device: torch.device | str) -> Callable:
+    """`_decode_one` compiled with fullgraph=True (a graph break would be an error, not a slowdown).
+
+    On CUDA mode="reduce-overhead" records the step as a CUDA graph and replays it: one launch per token
+    instead of one per kernel. The CPU has no CUDA graphs, so it gets the default mode (inductor's fused
+    C++ kernels). The compiled function is made once per mode and shared: dynamo keeps one graph per set
+    of shapes, so every model and cache of the same shapes reuses it."""
+    mode = "reduce-overhead" if torch.device(device).type == "cuda" else "default"
+    if mode not in _COMPILED:
+        _COMPILED[mode] = torch.compile(_decode_one, mode=mode, fullgraph=True, dynamic=False)
+    return _COMPILED[mode]

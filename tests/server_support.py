@@ -1,0 +1,90 @@
+"""Shared by the tests/test_server*.py files: tiny checkpoints written to tmp dirs, and a real uvicorn
+server on a free port of 127.0.0.1, run in a thread of the test process and stopped by the test."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import torch
+import uvicorn
+
+from mini_transformer import SamplingParams, TransformerConfig, TransformerLM
+from mini_transformer.engine import LLMEngine
+from mini_transformer.server import build_context, create_app
+from mini_transformer.tokenizer import CharTokenizer
+
+# every character a test prompt or the default chat template uses
+TEXT = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;!?'-\n"
+STARTUP_TIMEOUT_S = 20.0
+
+
+def make_char_checkpoint(path, *, max_seq_len: int = 96, seed: int = 0, preset: str = "tiny"):
+    """A random-weight model (large init, so greedy text varies) with a character tokenizer."""
+    tokenizer = CharTokenizer.train(TEXT)
+    cfg = TransformerConfig.from_preset(preset, vocab_size=tokenizer.vocab_size, max_seq_len=max_seq_len,
+                                        init_std=0.3)
+    torch.manual_seed(seed)
+    model = TransformerLM(cfg).eval()
+    model.save_pretrained(path)
+    tokenizer.save(path)
+    return model, tokenizer
+
+
+def offline_greedy(model, prompts: list[list[int]], max_tokens: int, *, block_size: int = 4) -> list[list[int]]:
+    """The reference: the same prompts through an offline LLMEngine, greedy."""
+    engine = LLMEngine(model, block_size=block_size, num_blocks=256)
+    return engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+
+
+class ServerThread:
+    """uvicorn serving `create_app(ctx)` on a socket bound to 127.0.0.1:0 (a free port), in a thread."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(create_app(ctx), log_level="warning", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        self.sock.close()
+        assert not self.thread.is_alive(), "the test server did not stop"
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        """Wait (bounded) until the engine holds no request and no block; return its stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.ctx.engine_loop.state()
+            if not state["running"] and not state["waiting"] and state["blocks_in_use"] == 0:
+                return state
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the engine did not drain: {state['running']} {state['waiting']}")
+            time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def running_server(checkpoint, **options):
+    """build_context(checkpoint, **options), served on a free port for the `with` block."""
+    server = ServerThread(build_context(checkpoint, **options)).start()
+    try:
+        yield server
+    finally:
+        server.stop()

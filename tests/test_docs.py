@@ -1,0 +1,261 @@
+"""The docs are checked like code: every file, `file::name`, `file:line`, `Class.member` and test name a
+page cites must exist (docs_refs.py); quoted command output must match a fresh run; every shell command in
+a page's code blocks either runs (the quick ones) or at least parses against the real argument parser;
+python blocks parse; worked sums are recomputed; pages use the glossary's words (docs/README.md); every
+stage page ends with its exercises and break-it experiments; the roadmap lists nothing that has landed.
+
+Pages: README.md, docs/*.md (new pages are picked up as they land) and exercises/README.md.
+
+What is not run, and why (each such command is still checked for what can be checked cheaply):
+- `mini-transformer train | sample | bench`, `torchrun`, `python benchmarks/...`: minutes of work or a
+  trained checkpoint; their flags are parsed by the CLI's parser / looked up in the benchmark script.
+- `pytest ...`: the suite itself (an exercise grader even fails on purpose until the learner solves
+  it); the files it names must exist and each `-k` word must select at least one test.
+- anything else (curl against a server, ...): reported as skipped with the reason.
+Quick commands (`mini-transformer info | trace`) run in-process: about a second each.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import io
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from docs_refs import (
+    COMMAND_START,
+    FENCE,
+    OUTPUT_OF,
+    PAGES,
+    ROOT,
+    check_reference,
+    defined_names,
+    inline_spans,
+    references,
+    rel,
+    repo_files,
+)
+
+CASES = [(rel(page), kind, ref) for page in PAGES for kind, ref in dict.fromkeys(references(page))]
+
+
+@pytest.mark.parametrize(("page", "kind", "ref"), CASES, ids=[f"{p}:{r}" for p, _, r in CASES])
+def test_cited_code_exists(page, kind, ref):
+    problem = check_reference(kind, ref)
+    assert problem is None, f"{page} cites {ref!r}: {problem}"
+
+
+def test_the_checker_catches_wrong_references():
+    """The checker itself: a wrong file, name, line, test, member and keyword are all reported."""
+    assert check_reference("file", "DESIGN.md")
+    assert check_reference("file", "src/mini_transformer/nope.py")
+    assert check_reference("name", "attention/mask.py::no_such_function")
+    assert check_reference("line", "attention/mask.py:100000")
+    assert check_reference("test", "test_that_does_not_exist")
+    assert check_reference("member", "KVCache.no_such_method")
+    assert check_reference("call", "rope_tables(max_seq_len, d_head, base=10000)")
+    assert check_reference("name", "attention/mask.py::causal_mask") is None
+    assert check_reference("member", "TransformerLM.forward") is None
+    assert check_reference("call", "rope_tables(max_seq_len, d_head, theta=10000)") is None
+
+
+# ------------------------------------------------------------------------------ code blocks
+def shell_commands(page: Path) -> list[str]:
+    """Each command line of the page's bash/sh/shell blocks, comments and continuation joined."""
+    commands = []
+    for lang, body in FENCE.findall(page.read_text()):
+        if lang not in ("bash", "sh", "shell", "console"):
+            continue
+        for line in body.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip().removeprefix("$ ")
+            if line and not line.startswith("#"):
+                commands.append(line)
+    commands += [s for s in inline_spans(page.read_text()) if is_inline_command(s)]
+    return commands
+
+
+def is_inline_command(span: str) -> bool:
+    """`uv run ...` or a command with flags; a bare mention (`mini-transformer sample`) or a template
+    (`bench decode|attention|train [args]`) is prose."""
+    return span.startswith(COMMAND_START) and ("--" in span or span.startswith("uv run ")) \
+        and not re.search(r"[|\[<]|\.\.\.|…", span)
+
+
+def cli_argv(words: list[str]) -> list[str] | None:
+    """The mini-transformer argv of a command, or None when the command is something else."""
+    if words[:3] == ["uv", "run", "mini-transformer"]:
+        return words[3:]
+    if words[:1] == ["mini-transformer"]:
+        return words[1:]
+    if "-m" in words and words[words.index("-m") + 1:][:1] == ["mini_transformer.cli"]:
+        return words[words.index("-m") + 2:]
+    return None
+
+
+def check_flags_in_script(script: Path, args: list[str]) -> None:
+    source = script.read_text()
+    for flag in (a.split("=")[0] for a in args if a.startswith("--")):
+        assert f'"{flag}"' in source, f"{rel(script)} has no option {flag}"
+
+
+def check_pytest_command(words: list[str]) -> None:
+    args = words[words.index("pytest") + 1:]
+    paths = [a.split("::")[0] for a in args if a.endswith(".py") or ".py::" in a]
+    for path in paths:
+        assert (ROOT / path).is_file(), f"no test file {path}"
+    if "-k" in args:
+        expr = args[args.index("-k") + 1]
+        names = {n for p in (paths or [f for f in repo_files() if "/test_" in f and f.endswith(".py")])
+                 for n in defined_names(p) if "test_" in n}
+        for word in re.findall(r"\w+", expr):
+            if word not in ("and", "or", "not"):
+                assert any(word.lower() in n.lower() for n in names), f"-k {word!r} selects no test"
+
+
+def run_cli(argv: list[str]) -> str:
+    return _run_cli(tuple(argv))
+
+
+@functools.cache
+def _run_cli(argv: tuple[str, ...]) -> str:
+    """Each quick command runs once per session (pages quote `info --preset gpt2-small` several times)."""
+    from mini_transformer.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(list(argv)) in (0, None)
+    return out.getvalue()
+
+
+QUICK_SUBCOMMANDS = ("info", "trace")
+COMMANDS = [(rel(page), c) for page in PAGES for c in dict.fromkeys(shell_commands(page))]
+
+
+@pytest.mark.parametrize(("page", "command"), COMMANDS, ids=[f"{p}:{c}" for p, c in COMMANDS])
+def test_shell_commands_run_or_parse(page, command):
+    words = shlex.split(command)
+    argv = cli_argv(words)
+    if argv is not None:
+        from mini_transformer.cli import build_parser
+
+        args = build_parser().parse_args(argv)  # a wrong flag or choice exits with status 2
+        if args.command in QUICK_SUBCOMMANDS:
+            run_cli(argv)
+        elif args.command == "bench":
+            check_flags_in_script(ROOT / "benchmarks" / f"bench_{args.name}.py", args.script_args)
+    elif "pytest" in words:
+        check_pytest_command(words)
+    elif words[:1] == ["python"] and words[1:2] and words[1].startswith("benchmarks/"):
+        script = ROOT / words[1]
+        assert script.is_file(), f"no script {words[1]}"
+        check_flags_in_script(script, words[2:])
+    else:
+        pytest.skip(f"{page}: not a command this test knows how to check: {command}")
+
+
+# ------------------------------------------------------------------------------- glossary
+GLOSSARY_PAGE = ROOT / "docs" / "README.md"
+
+
+def avoided_terms() -> dict[str, str]:
+    """From docs/README.md's glossary table: a word never to write -> the project's word for it."""
+    text = GLOSSARY_PAGE.read_text()
+    section = text[text.index("## 术语表"):]
+    avoided = {}
+    for row in re.findall(r"^\|(.+)\|\s*$", section, re.M):
+        cells = [c.strip() for c in row.split("|")]
+        if len(cells) >= 3 and cells[2] and cells[2] not in ("不要写成", "---"):
+            avoided.update({word.strip(): cells[0] for word in cells[2].split("、")})
+    return avoided
+
+
+def test_the_glossary_lists_words_to_avoid():
+    assert {"补齐", "检查点", "内核", "朴素"} <= set(avoided_terms())
+
+
+@pytest.mark.parametrize("page", [rel(p) for p in PAGES if p.parent.name == "docs"])
+def test_pages_use_the_glossary_terms(page):
+    text = re.sub(r"`[^`\n]+`", " ", (ROOT / page).read_text())  # code comments count, identifiers do not
+    if page == rel(GLOSSARY_PAGE):
+        text = text[:text.index("## 术语表")]
+    for word, ours in avoided_terms().items():
+        assert word not in text, f"{page} writes {word!r}; the glossary (docs/README.md) says {ours!r}"
+
+
+# -------------------------------------------------------------------------------- exercises
+STAGE_PAGES = [rel(p) for p in PAGES if re.match(r"\d\d[a-z]?-", p.name) and p.parent.name == "docs"]
+
+
+@pytest.mark.parametrize("page", STAGE_PAGES)
+def test_each_stage_page_ends_with_exercises_and_break_it_experiments(page):
+    """The learning path (docs/README.md): every stage page ends with its exercise(s), the command that
+    grades them, and two or three "break it and watch which test fails" experiments."""
+    last = (ROOT / page).read_text().rsplit("\n## ", 1)[-1]
+    assert last.split("\n", 1)[0].count("练习"), f"{page}: the last section must be its exercises (练习)"
+    assert re.search(r"uv run pytest exercises/test_\w+\.py", last), f"{page}: no grading command"
+    assert len(re.findall(r"^\d\. ", last, re.M)) >= 2, f"{page}: fewer than two break-it experiments"
+
+
+# ------------------------------------------------------------------------------- arithmetic
+ARITHMETIC = re.compile(r"(?<![\w.·/^])((?:\d+(?:\.\d+)?\s*[·×+−]\s*)+\d+(?:\.\d+)?)\s*=\s*"
+                        r"(\d{1,3}(?:[ ,]\d{3})+|\d+(?:\.\d+)?)(?![\w.^²])")
+SUMS = [(rel(page), expr, value) for page in PAGES for expr, value in ARITHMETIC.findall(page.read_text())]
+
+
+def sum_is_right(expr: str, value: str) -> bool:
+    got = eval(expr.replace("·", "*").replace("×", "*").replace("−", "-"), {"__builtins__": {}})
+    want = float(value.replace(",", "").replace(" ", ""))
+    return abs(got - want) <= 1e-9 * max(1.0, abs(want))
+
+
+def test_pages_do_some_arithmetic():
+    assert len(SUMS) >= 5  # the pages' worked sums are still found
+    assert ARITHMETIC.findall("每层 2·12·12·64·2 = 36,864 字节") == [("2·12·12·64·2", "36,864")]
+    assert not sum_is_right("2·12·12·64·4", "73 727") and sum_is_right("2·12·12·64·4", "73 728")
+
+
+@pytest.mark.parametrize(("page", "expr", "value"), SUMS, ids=[f"{p}:{e}" for p, e, _ in SUMS])
+def test_worked_arithmetic_is_right(page, expr, value):
+    """`2·12·12·64·2 = 36,864`-style sums written in a page (· and × multiply, thousands may be grouped)."""
+    assert sum_is_right(expr, value), f"{page}: {expr} is not {value}"
+
+
+# -------------------------------------------------------------------------------- roadmap
+NOT_BUILT = re.findall(r"^### (.+)\n<!--\s*not-built:\s*(\S+)\s*-->", (ROOT / "docs" / "roadmap.md").read_text(), re.M)
+
+
+def test_the_roadmap_marks_what_is_not_built():
+    assert NOT_BUILT, "the markers under ### headings no longer parse"  # at least one stage is still ahead
+
+
+@pytest.mark.parametrize(("entry", "path"), NOT_BUILT, ids=[p for _, p in NOT_BUILT])
+def test_the_roadmap_is_still_true(entry, path):
+    """When a stage lands, its roadmap entry moves to the built table (with a link to its page)."""
+    assert not (ROOT / path).exists(), (
+        f"{path} exists now: move docs/roadmap.md's entry {entry!r} to the built table and link its page")
+
+
+PYTHON_BLOCKS = [(rel(page), i, body) for page in PAGES
+                 for i, (lang, body) in enumerate(FENCE.findall(page.read_text())) if lang == "python"]
+
+
+@pytest.mark.parametrize(("page", "index", "body"), PYTHON_BLOCKS, ids=[f"{p}#{i}" for p, i, _ in PYTHON_BLOCKS])
+def test_python_blocks_are_python(page, index, body):
+    ast.parse(body)  # a shell line or a typo inside a python block is a SyntaxError here
+
+
+OUTPUTS = [(rel(page), cmd, body) for page in PAGES for cmd, body in OUTPUT_OF.findall(page.read_text())]
+
+
+@pytest.mark.parametrize(("page", "command", "quoted"), OUTPUTS, ids=[f"{p}:{c}" for p, c, _ in OUTPUTS])
+def test_quoted_output_matches_a_fresh_run(page, command, quoted):
+    """A block marked `<!-- output-of: mini-transformer ... -->` must appear line for line in a fresh run."""
+    argv = cli_argv(shlex.split(command))
+    assert argv is not None and argv[0] in QUICK_SUBCOMMANDS, f"output-of must name a quick command: {command}"
+    fresh = [line.rstrip() for line in run_cli(argv).splitlines()]
+    for line in (q.rstrip() for q in quoted.splitlines()):
+        assert not line or line in fresh, f"{page}: {line!r} is not in the output of {command}"

@@ -1,0 +1,311 @@
+"""The OpenAI-compatible server, spoken to by the official `openai` client and by raw httpx.
+
+Reference: the same prompts through an offline LLMEngine (greedy), and the plain chat template by hand.
+One server (tiny random model, char tokenizer) on a free port of 127.0.0.1 serves the whole module.
+"""
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from server_support import make_char_checkpoint, offline_greedy, running_server
+
+from mini_transformer.server.text import DEFAULT_CHAT_TEMPLATE
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-char")
+    model, tokenizer = make_char_checkpoint(path, max_seq_len=384)
+    with running_server(path, model_name=MODEL, block_size=4, num_blocks=512, max_num_seqs=8) as server:
+        server.model, server.tokenizer = model, tokenizer
+        server.client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        server.http = httpx.Client(base_url=server.url, timeout=30)
+        yield server
+        server.http.close()
+
+
+def reference(served, prompts: list[str], max_tokens: int) -> list[str]:
+    ids = [served.tokenizer.encode(p) for p in prompts]
+    return [served.tokenizer.decode(out) for out in offline_greedy(served.model, ids, max_tokens)]
+
+
+def test_models(served):
+    models = served.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completions_equal_the_offline_engine(served):
+    prompts = ["Hello there", "The quick brown fox", "a"]
+    expected = reference(served, prompts, 12)
+    out = served.client.completions.create(model=MODEL, prompt=prompts, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == expected
+    assert all(c.finish_reason == "length" for c in out.choices)
+    prompt_tokens = sum(len(p) for p in prompts)  # one token per character
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (prompt_tokens, 36)
+    assert out.usage.total_tokens == prompt_tokens + 36
+
+    for prompt, text in zip(prompts, expected, strict=True):
+        stream = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                                  stream=True)
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks) == text
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_token_id_prompts(served):
+    ids = [served.tokenizer.encode("Good day"), served.tokenizer.encode("Sir")]
+    expected = [served.tokenizer.decode(o) for o in offline_greedy(served.model, ids, 6)]
+    one = served.client.completions.create(model=MODEL, prompt=ids[0], max_tokens=6, temperature=0)
+    both = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert one.choices[0].text == expected[0]
+    assert [c.text for c in both.choices] == expected
+
+
+def test_chat_equals_the_offline_engine_through_the_plain_template(served):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    prompt = "System: Be brief.\nUser: Hi there\nAssistant:"  # DEFAULT_CHAT_TEMPLATE written out
+    assert "Assistant:" in DEFAULT_CHAT_TEMPLATE
+    expected = reference(served, [prompt], 10)[0]
+    out = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt), 10)
+
+    stream = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_n2_with_a_seed_is_reproducible_and_shares_the_prompt_blocks(served):
+    prompt = "Sampling twice from one prompt"  # 30 tokens: 7 full blocks of 4
+    stats = served.ctx.engine_loop.engine.stats
+    hits_before = stats()["prefix_cache_hit_tokens"]
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=1.0, seed=7)
+    first = served.client.completions.create(n=2, **kwargs)
+    assert stats()["prefix_cache_hit_tokens"] - hits_before >= 28  # the second choice reused 7 blocks
+    again = served.client.completions.create(n=2, **kwargs)
+    texts = [c.text for c in first.choices]
+    assert texts == [c.text for c in again.choices]
+    assert texts[0] != texts[1]  # different seeds per choice (equal by chance: ~V**-16)
+    # choice j draws with seed + j: the same as a lone request with that seed
+    for j in range(2):
+        alone = served.client.completions.create(**{**kwargs, "seed": 7 + j})
+        assert alone.choices[0].text == texts[j]
+    assert first.usage.completion_tokens == 32 and first.usage.prompt_tokens == len(prompt)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_cut_the_text(served, stream):
+    full = reference(served, ["Where is the stop"], 20)[0]
+    stop = full[6:8]
+    cut = full[:full.index(stop)]
+    out = served.client.completions.create(model=MODEL, prompt="Where is the stop", max_tokens=20, temperature=0,
+                                           stop=[stop], stream=stream)
+    if stream:
+        chunks = list(out)
+        text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+    else:
+        text, finish = out.choices[0].text, out.choices[0].finish_reason
+    assert (text, finish) == (cut, "stop")
+    served.wait_idle()
+
+
+def sse_events(raw: bytes) -> list[str]:
+    """Split an SSE body; every event must be exactly one `data: ` line followed by a blank line."""
+    text = raw.decode()
+    assert text.endswith("\n\n")
+    events = text[:-2].split("\n\n")
+    for event in events:
+        assert event.startswith("data: ") and "\n" not in event, event
+    return [e[len("data: "):] for e in events]
+
+
+def test_raw_sse_framing(served):
+    body = {"model": MODEL, "prompt": "Raw bytes", "max_tokens": 5, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with served.http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read()
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == reference(served, ["Raw bytes"], 5)[0]
+
+
+def test_engine_state_json_and_stream(served):
+    state = served.http.get("/v1/engine/state").json()
+    assert state["num_blocks"] == 512 and state["block_size"] == 4
+    assert len(state["pool"]["ref_count"]) == 512 and len(state["pool"]["cached"]) == 512
+    assert state["running"] == [] and state["waiting"] == []
+    with served.http.stream("GET", "/v1/engine/state", params={"stream": "true"}) as response:
+        lines = response.iter_lines()
+        events = []
+        for line in lines:  # bounded: two events, then the client leaves
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if len(events) == 2:
+                    break
+    assert all("pool" in e and "tokens_per_s" in e for e in events)
+
+
+BAD_REQUESTS = [  # (path, body or raw bytes, expected param)
+    ("/v1/completions", b'{"model": "tiny", "prompt": ', None),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 380, "max_tokens": 10}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "not in the vocabulary: é"}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 9999]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [9999]}, "stop_token_ids"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}, "echo"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, None),
+]
+
+
+@pytest.mark.parametrize("path, body, param", BAD_REQUESTS)
+def test_bad_requests_get_400_and_the_next_good_one_succeeds(served, path, body, param):
+    if isinstance(body, bytes):
+        response = served.http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        response = served.http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param
+    good = served.client.completions.create(model=MODEL, prompt="ok", max_tokens=2, temperature=0)
+    assert good.choices[0].finish_reason == "length"
+
+
+def metric(served, name: str) -> float:
+    for line in served.http.get("/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_disconnect_mid_stream_aborts_and_frees_the_blocks(served):
+    aborted = metric(served, 'mini_transformer_requests_finished_total{finish_reason="abort"}') \
+        if 'finish_reason="abort"' in served.http.get("/metrics").text else 0.0
+    body = {"model": MODEL, "prompt": "Leave early", "max_tokens": 360, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=served.url, timeout=30) as client, client.stream("POST", "/v1/completions",
+                                                                                json=body) as response:
+        lines = response.iter_lines()  # held: dropping a half-read iterator closes the connection
+        next(line for line in lines if line.startswith("data: "))  # the first token came
+        deadline = time.monotonic() + 10  # the gauges refresh every STATE_INTERVAL_S while busy
+        while metric(served, "mini_transformer_kv_blocks_in_use") == 0:
+            assert time.monotonic() < deadline, "no blocks in use while the request runs"
+            time.sleep(0.02)
+    # leaving the `with` closed the connection mid-stream
+    deadline = time.monotonic() + 10
+    while metric(served, "mini_transformer_kv_blocks_in_use") > 0:
+        assert time.monotonic() < deadline, "blocks still held after the client left"
+        time.sleep(0.05)
+    assert metric(served, 'mini_transformer_requests_finished_total{finish_reason="abort"}') == aborted + 1
+    assert served.ctx.engine_loop.engine.stats()["requests_aborted"] >= 1
+
+
+def test_metrics_export_the_histograms_and_counters(served):
+    served.client.completions.create(model=MODEL, prompt="count me", max_tokens=4, temperature=0)
+    text = served.http.get("/metrics").text
+    for name in ("mini_transformer_num_requests_running", "mini_transformer_num_requests_waiting",
+                 "mini_transformer_kv_blocks_in_use", "mini_transformer_prefix_cache_hit_rate",
+                 "mini_transformer_time_to_first_token_seconds_bucket",
+                 "mini_transformer_time_per_output_token_seconds_count", "mini_transformer_generation_tokens_total"):
+        assert name in text
+    assert metric(served, "mini_transformer_generation_tokens_total") >= 4
+    assert served.http.get("/health").json() == {"status": "ok"}
+
+
+def test_api_key_401(tmp_path):
+    make_char_checkpoint(tmp_path, max_seq_len=64)
+    with running_server(tmp_path, model_name=MODEL, api_key="secret", num_blocks=64, block_size=4) as server:
+        for key in ("wrong",):
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=30)
+            with pytest.raises(openai.AuthenticationError) as err:
+                client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+        missing = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=30)
+        assert missing.status_code == 401 and missing.json()["error"]["message"].startswith("missing")
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="secret", max_retries=0, timeout=30)
+        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0).choices
+
+
+def test_too_many_waiting_429(tmp_path):
+    make_char_checkpoint(tmp_path, max_seq_len=384)
+    with running_server(tmp_path, model_name=MODEL, num_blocks=256, block_size=4, max_num_seqs=1,
+                        max_waiting=0) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        body = {"model": MODEL, "prompt": "Long one", "max_tokens": 370, "temperature": 0, "stream": True}
+        with httpx.Client(base_url=server.url, timeout=30) as http, http.stream("POST", "/v1/completions",
+                                                                                json=body) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: "))  # it is running
+            with pytest.raises(openai.RateLimitError) as err:
+                client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            assert err.value.status_code == 429 and "waiting" in err.value.body["message"]
+        server.wait_idle()
+        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0).choices
+
+
+def test_stop_token_ends_the_choice_and_is_not_in_the_text(served):
+    ids = served.tokenizer.encode("Stop on a token")
+    full = offline_greedy(served.model, [ids], 12)[0]
+    stop_id = full[5]
+    k = full.index(stop_id)
+    out = served.client.completions.create(model=MODEL, prompt="Stop on a token", max_tokens=12, temperature=0,
+                                           extra_body={"stop_token_ids": [stop_id]})
+    assert out.choices[0].text == served.tokenizer.decode(full[:k])
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == k + 1
+
+
+def test_serves_a_hugging_face_gpt2_directory_with_its_chat_template(tmp_path):
+    """A local HF GPT-2 directory: weights imported, tokenizer.json used, the chat template rendered as
+    transformers renders it; the answer equals the offline engine on the same imported model."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    from mini_transformer import TransformerLM
+    from mini_transformer.tokenizer import BPETokenizer
+
+    tokenizer = BPETokenizer.train("the quick brown fox jumps over the lazy dog. " * 20, vocab_size=300)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=tokenizer.vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                        initializer_range=0.3)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    tokenizer.save(tmp_path)
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "eos_token": "<|endoftext|>"}))
+    messages = [{"role": "user", "content": "the quick fox"}]
+    rendered = PreTrainedTokenizerFast.from_pretrained(str(tmp_path)).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(rendered)
+    model = TransformerLM.from_pretrained(tmp_path)
+    engine_out = offline_greedy(model, [prompt_ids], 8)[0]
+    eos = tokenizer.eos_token_id
+    expected = engine_out[:engine_out.index(eos)] if eos in engine_out else engine_out
+    with running_server(tmp_path, model_name="gpt2-tiny", num_blocks=64, block_size=4) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        out = client.chat.completions.create(model="gpt2-tiny", messages=messages, max_tokens=8, temperature=0)
+    assert out.usage.prompt_tokens == len(prompt_ids)
+    assert out.choices[0].message.content == tokenizer.decode(expected)

@@ -1,0 +1,68 @@
+"""Generation: the choices of one HTTP request read back from the engine thread's outputs. Driven here by
+hand (a recording stand-in for the engine loop), so the order of outputs is exactly the one under test."""
+
+import asyncio
+
+from mini_transformer import SamplingParams
+from mini_transformer.server.engine_loop import Accepted, StepOutput
+from mini_transformer.server.generation import Generation
+
+
+class Codec:
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+class RecordingLoop:
+    """Takes submissions and aborts and remembers them; the test plays the engine thread's part."""
+
+    def __init__(self):
+        self.handles, self.aborted, self.reserved = [], [], 0
+
+    def reserve(self, n):
+        self.reserved += n
+
+    def release(self, n):
+        self.reserved -= n
+
+    def submit(self, prompt, params, outbox, index):
+        class Handle:
+            done = False
+
+        handle = Handle()
+        handle.index = index
+        self.handles.append(handle)
+        outbox.put_nowait((index, Accepted()))
+        return handle
+
+    def abort(self, handle):
+        self.aborted.append(handle.index)
+
+
+def ids(text):
+    return [ord(c) for c in text]
+
+
+def test_outputs_queued_together_are_merged_and_a_stopped_choice_ignores_late_outputs():
+    async def scenario():
+        loop = RecordingLoop()
+        params = [SamplingParams(max_tokens=8, seed=s) for s in (0, 1)]
+        gen = Generation(loop, Codec(), [[1, 2]], [params], stop=["X"])
+        await gen.start()
+        # choice 0 hits the stop string; outputs the engine made before the abort still arrive after it
+        for index, item in [(0, StepOutput(ids("ab"), False, None)), (1, StepOutput(ids("c"), False, None)),
+                            (0, StepOutput(ids("Xd"), False, None))]:
+            gen.queue.put_nowait((index, item))
+        events = gen.events()
+        first = [await anext(events), await anext(events)]
+        gen.queue.put_nowait((0, StepOutput(ids("e"), False, None)))  # late, for the stopped choice
+        gen.queue.put_nowait((1, StepOutput(ids("fg"), True, "length")))
+        rest = [e async for e in events]
+        gen.close()
+        return loop, gen, first + rest
+
+    loop, gen, events = asyncio.run(scenario())
+    # choice 0's two outputs went out as one piece, cut before "X"; choice 1 ran to its end
+    assert events == [(0, "ab", "stop"), (1, "c", None), (1, "fg", "length")]
+    assert loop.aborted == [0] and gen.finish_reasons == ["stop", "length"]
+    assert [t.out for t in gen.texts] == ["ab", "cfg"] and loop.reserved == 0

@@ -1,0 +1,178 @@
+"""StaticCache and compiled decode: every step's logits equal KVCache's (eager, float64, padding, RoPE,
+GQA); generate(compile=True) gives the eager path's tokens, padded batches included; and dynamo compiles
+the decode step once — no recompilation over 200 steps, nor for a second batch of the same shapes.
+
+The compiling tests share one shape (B=2, prompt 5, 200 new tokens, tiny model) so that the whole file
+pays for one compilation (tens of seconds on 2 busy cores)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mini_transformer import KVCache, TransformerConfig, TransformerLM, generate
+from mini_transformer.static_cache import StaticCache
+
+VOCAB = 40
+
+
+def small_model(pos_emb="learned", n_kv_heads=None, backend="naive", max_seq_len=32, dtype=torch.float64):
+    cfg = TransformerConfig(
+        vocab_size=VOCAB, d_model=32, n_heads=4, n_kv_heads=n_kv_heads, n_layer=2, d_ff=64,
+        max_seq_len=max_seq_len, pos_emb=pos_emb, attn_backend=backend,
+        norm="rmsnorm" if pos_emb == "rope" else "layernorm", ffn="swiglu" if pos_emb == "rope" else "gelu",
+        init_std=0.2,
+    )
+    return TransformerLM(cfg).to(dtype).eval()
+
+
+def padded_prompt(pad_lengths, prompt_len):
+    idx = torch.randint(0, VOCAB, (len(pad_lengths), prompt_len))
+    mask = torch.ones(len(pad_lengths), prompt_len, dtype=torch.long)
+    for row, n_pad in enumerate(pad_lengths):
+        mask[row, :n_pad] = 0
+    return idx, mask
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    pads=st.lists(st.integers(0, 4), min_size=1, max_size=3),
+    prompt_len=st.integers(1, 6),
+    n_steps=st.integers(1, 8),
+    spare=st.integers(0, 5),
+    pos_emb=st.sampled_from(["learned", "rope"]),
+    n_kv_heads=st.sampled_from([None, 2, 1]),
+    backend=st.sampled_from(["naive", "sdpa"]),
+)
+def test_static_cache_logits_equal_kv_cache(pads, prompt_len, n_steps, spare, pos_emb, n_kv_heads, backend):
+    """Eager, float64: prefill + n_steps single-token steps, StaticCache (fixed slabs with `spare`
+    never-written slots at the end) against KVCache, step by step."""
+    pads = [min(p, prompt_len - 1) for p in pads]  # every row ends with a real token
+    model = small_model(pos_emb, n_kv_heads, backend)
+    idx, mask = padded_prompt(pads, prompt_len)
+    B = idx.shape[0]
+    max_len = prompt_len + n_steps + spare
+    static = StaticCache.for_model(model.config, B, max_len, dtype=torch.float64)
+    dynamic = KVCache.for_model(model.config, B, max_len, dtype=torch.float64)
+    with torch.no_grad():
+        got, _ = model(idx, attention_mask=mask, cache=static, check=False)
+        want, _ = model(idx, attention_mask=mask, cache=dynamic)
+        real = mask.bool()
+        torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-12)
+        for _ in range(n_steps):
+            token = torch.randint(0, VOCAB, (B, 1))
+            got, _ = model(token, cache=static, check=False)
+            want, _ = model(token, cache=dynamic)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert static.input_pos.tolist() == [prompt_len + n_steps]
+    assert static.next_position.tolist() == dynamic.next_position.tolist()
+
+
+def test_single_token_prompt_goes_through_the_static_step():
+    model = small_model()
+    idx = torch.randint(0, VOCAB, (2, 1))
+    static = StaticCache.for_model(model.config, 2, 6, dtype=torch.float64)
+    dynamic = KVCache.for_model(model.config, 2, 6, dtype=torch.float64)
+    with torch.no_grad():
+        for _ in range(4):
+            got, _ = model(idx, cache=static, check=False)
+            want, _ = model(idx, cache=dynamic)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_reset_reuses_the_slabs():
+    model = small_model()
+    idx, mask = padded_prompt([2, 0], 4)
+    cache = StaticCache.for_model(model.config, 2, 8, dtype=torch.float64)
+    k_storage = cache.k[0].data_ptr()
+    with torch.no_grad():
+        first, _ = model(idx, attention_mask=mask, cache=cache, check=False)
+        cache.reset()
+        again, _ = model(idx, attention_mask=mask, cache=cache, check=False)
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    assert cache.k[0].data_ptr() == k_storage
+
+
+def test_static_cache_door_errors():
+    cfg = small_model().config
+    with pytest.raises(ValueError, match="max_len=99 exceeds"):
+        StaticCache.for_model(cfg, 1, 99)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        StaticCache(2, 0, 8, 4, 8)
+
+
+def test_generate_compile_door_errors():
+    model = small_model(dtype=torch.float32)
+    idx = torch.randint(0, VOCAB, (1, 3))
+    with pytest.raises(ValueError, match="use_cache=False"):
+        generate(model, idx, 2, compile=True, use_cache=False)
+    with pytest.raises(TypeError, match="compile='yes'"):
+        generate(model, idx, 2, compile="yes")
+
+
+# ------------------------------------------------------------------ compiled (one shape, one compilation)
+N_NEW = 200
+
+
+@pytest.fixture(scope="module")
+def compiled_setup():
+    torch.manual_seed(0)
+    return small_model("rope", n_kv_heads=2, backend="sdpa", max_seq_len=256, dtype=torch.float32)
+
+
+def graphs_compiled() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_compiled_decode_compiles_once_and_matches_eager(compiled_setup):
+    """200 decode steps of a padded batch: the tokens equal the eager path's, and the whole run (and a
+    second batch of the same shapes) adds exactly one graph — the first step's — with no recompilation."""
+    model = compiled_setup
+    idx, mask = padded_prompt([3, 0], 5)
+    before = graphs_compiled()
+    recompiles_before = torch._dynamo.utils.counters["recompiles"].total()
+    got = generate(model, idx, N_NEW, attention_mask=mask, compile=True)
+    assert graphs_compiled() - before <= 1  # 0 if an earlier test in this process compiled these shapes
+    after_first = graphs_compiled()
+    want = generate(model, idx, N_NEW, attention_mask=mask)
+    assert torch.equal(got, want)
+
+    other, other_mask = padded_prompt([0, 4], 5)  # new values, same shapes: the same graph runs
+    got = generate(model, other, N_NEW, attention_mask=other_mask, compile=True)
+    assert torch.equal(got, generate(model, other, N_NEW, attention_mask=other_mask))
+    assert graphs_compiled() == after_first
+    assert torch._dynamo.utils.counters["recompiles"].total() == recompiles_before
+
+
+def test_compiled_padding_does_not_change_a_row(compiled_setup):
+    """A row's tokens are the same alone (no padding) and left-padded inside a batch, compiled."""
+    model = compiled_setup
+    idx, mask = padded_prompt([3, 0], 5)
+    alone = generate(model, idx[:1, 3:], 20)  # the padded row's 2 real tokens, unpadded, eager
+    batch = generate(model, idx, N_NEW, attention_mask=mask, compile=True)
+    assert torch.equal(batch[:1, :20], alone)
+
+
+def test_sample_cli_compile_flag_reaches_generate(tmp_path, capsys, monkeypatch):
+    """`sample --compile` asks generate for compile=True (the compiled path itself is tested above)."""
+    import importlib
+
+    from mini_transformer.cli import main
+    from mini_transformer.tokenizer import CharTokenizer
+
+    tokenizer = CharTokenizer.train("abc def")
+    model = TransformerLM(small_model(dtype=torch.float32).config.replace(vocab_size=tokenizer.vocab_size))
+    model.save_pretrained(tmp_path)
+    tokenizer.save(tmp_path)
+    generate_module = importlib.import_module("mini_transformer.generate")  # the module, not the function
+    seen = []
+    real_generate = generate_module.generate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["compile"])
+        return real_generate(*args, **{**kwargs, "compile": False})
+
+    monkeypatch.setattr(generate_module, "generate", spy)
+    assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "abc", "--max-new-tokens", "5",
+                 "--compile"]) == 0
+    assert seen == [True]
