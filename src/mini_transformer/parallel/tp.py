@@ -148,15 +148,23 @@ def _row_parallel(linear: nn.Linear, start: int, stop: int, group, counter) -> R
     return RowParallelLinear(linear.weight.data[:, start:stop].clone(), bias, group, counter)
 
 
-def _shard_attention(attn, cfg: TransformerConfig, rank: int, world: int, group, counter) -> None:
-    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
-    h, hkv = H // world, Hkv // world  # local heads; q heads [rank*h, ...) read kv heads [rank*hkv, ...)
+def qkv_row_ranges(n_heads: int, n_kv_heads: int, d_head: int, rank: int, world_size: int) -> list[tuple[int, int]]:
+    """The rows of the fused W_qkv ((H + 2 Hkv) * D, C) that `rank` keeps: its q heads, then the k and v heads
+    they read. Contiguous groups keep GQA whole: q heads [rank*h, (rank+1)*h) use kv heads [rank*hkv, ...)."""
+    H, Hkv, D = n_heads, n_kv_heads, d_head
+    h, hkv = H // world_size, Hkv // world_size
     q = (rank * h * D, (rank + 1) * h * D)
     k = (H * D + rank * hkv * D, H * D + (rank + 1) * hkv * D)
     v = ((H + Hkv) * D + rank * hkv * D, (H + Hkv) * D + (rank + 1) * hkv * D)
+    return [q, k, v]
+
+
+def _shard_attention(attn, cfg: TransformerConfig, rank: int, world: int, group, counter) -> None:
+    H, Hkv = cfg.n_heads, cfg.n_kv_heads
+    q, k, v = qkv_row_ranges(H, Hkv, cfg.d_head, rank, world)
     _shard_column(attn.W_qkv, [q, k, v])  # (h + 2*hkv) * D rows: this rank's q, k, v heads
     attn.W_o = _row_parallel(attn.W_o, *q, group, counter)  # columns = the same q heads' outputs
-    attn.n_heads, attn.n_kv_heads = h, hkv
+    attn.n_heads, attn.n_kv_heads = H // world, Hkv // world
 
 
 def _shard_ffn(ffn, cfg: TransformerConfig, rank: int, world: int, group, counter) -> None:
