@@ -22,7 +22,12 @@ LLAMA_STYLE = dict(vocab_size=99, d_model=32, n_heads=4, n_kv_heads=2, n_layer=2
 
 def build(values: dict) -> TransformerLM:
     torch.manual_seed(0)
-    return TransformerLM(TransformerConfig(**values)).eval()
+    model = TransformerLM(TransformerConfig(**values)).eval()
+    with torch.no_grad():  # biases start at zero; give them values, or a bias added W times would not show
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.3)
+    return model
 
 
 def inputs(vocab_size: int):
