@@ -61,7 +61,10 @@ def test_score_depends_only_on_relative_offset(D, m, n, shift):
     def score(q_pos, k_pos):
         return (rotate(q, torch.tensor([[q_pos]])) * rotate(k, torch.tensor([[k_pos]]))).sum()
 
-    torch.testing.assert_close(score(m + shift, n + shift), score(m, n), rtol=1e-5, atol=1e-5)
+    # the tables are float32: at positions up to 120 their angles are off by ~1e-5 rad, which moves a score
+    # of unit-normal q, k (D <= 32) by up to ~2e-5 (measured over 300 seeds); 1e-4 leaves room, and a
+    # wrong rotation moves it by O(1)
+    torch.testing.assert_close(score(m + shift, n + shift), score(m, n), rtol=1e-5, atol=1e-4)
 
 
 def test_score_does_change_with_the_offset():

@@ -12,22 +12,7 @@ from mini_transformer.generate import decode_step
 from mini_transformer.kv_cache import KVCache
 from mini_transformer.server.text import IncrementalText as _ProjectIncrementalText
 
-from . import ex2_rope, ex6_modern_block, ex7_lr_schedule, ex9_moe_router, ex11_tensor_parallel
-
-
-def _bias_on_every_rank(x, weight, bias, world_size):
-    """Each rank adds the bias to its partial output before the all_reduce: W copies of it in the sum."""
-    width = weight.shape[1] // world_size
-    parts = [x[..., r * width:(r + 1) * width] @ weight[:, r * width:(r + 1) * width].T for r in range(world_size)]
-    return sum(p if bias is None else p + bias for p in parts)
-
-
-def _kv_rows_without_offset(n_heads, n_kv_heads, d_head, rank, world_size):
-    """k and v ranges counted like the q range, from row 0: they point into the query block."""
-    h, hkv = n_heads // world_size, n_kv_heads // world_size
-    q = (rank * h * d_head, (rank + 1) * h * d_head)
-    kv = (rank * hkv * d_head, (rank + 1) * hkv * d_head)
-    return [q, kv, kv]
+from . import ex2_rope, ex6_modern_block, ex7_lr_schedule, ex9_moe_router
 
 
 def _gqa_modulo(q, k, v):
@@ -232,11 +217,5 @@ BROKEN = {
     "ex10_stop_strings": {
         "stop strings checked once per chunk": types.SimpleNamespace(IncrementalText=_StopCheckedPerChunk),
         "no hold-back of a possible stop string": types.SimpleNamespace(IncrementalText=_NoHoldBack),
-    },
-    "ex11_tensor_parallel": {
-        "bias added by every rank": types.SimpleNamespace(
-            qkv_row_ranges=ex11_tensor_parallel.qkv_row_ranges, row_parallel_sum=_bias_on_every_rank),
-        "k and v rows without the H*D offset": types.SimpleNamespace(
-            qkv_row_ranges=_kv_rows_without_offset, row_parallel_sum=ex11_tensor_parallel.row_parallel_sum),
     },
 }

@@ -1,0 +1,128 @@
+"""Wrong answers for the exercises of docs/07, 08 and 10 (tests/test_exercises.py adds them to
+broken.BROKEN). Each is a whole answer with ONE mistake from its page's "break it" list, written out
+here rather than built from the project's code, so that these checks run even where a stage's code has
+not landed yet."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import torch
+import torch.nn.functional as F
+
+
+# ------------------------------------------------------------------------------ exercise 11 (docs/07)
+def _sse_event(payload):
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def _parse_sse(body, require_done=True):
+    chunks = []
+    for event in body.split("\n\n"):
+        data = [line[len("data: "):] for line in event.split("\n") if line.startswith("data: ")]
+        if data == ["[DONE]"]:
+            return chunks
+        chunks += [json.loads(d) for d in data]
+    if require_done:
+        raise ValueError("no [DONE]")
+    return chunks
+
+
+def _latency_metrics(sent_at, times, tokens, tpot_per="token"):
+    if not times:
+        raise ValueError("no chunk with text")
+    itls = [b - a for a, b in zip(times, times[1:], strict=False)]
+    ttft, e2e = times[0] - sent_at, times[-1] - sent_at
+    if tpot_per == "chunk":  # the mean ITL: a chunk of several tokens counted as one
+        tpot = sum(itls) / len(itls) if itls else None
+    else:
+        tpot = (e2e - ttft) / (tokens - 1) if tokens > 1 else None
+    return {"ttft": ttft, "itls": itls, "e2e": e2e, "tpot": tpot}
+
+
+def _ex11(sse=_sse_event, parse=_parse_sse, latency=_latency_metrics):
+    return types.SimpleNamespace(sse_event=sse, parse_sse=parse, latency_metrics=latency)
+
+
+# ------------------------------------------------------------------------------ exercise 12 (docs/08)
+def _quantize_int8(w, per_tensor=False, rounding=torch.round):
+    biggest = w.abs().amax() if per_tensor else w.abs().amax(dim=1)
+    scales = (biggest.clamp(min=1e-12) / 127).expand(w.shape[0]).float()  # (N,)
+    return rounding(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
+def _dequantize_int8(q, scales):
+    return q.float() * scales[:, None]
+
+
+def _accept_drafts(p, q, drafts, generator, accept_all=False, resample_from_p=False):
+    for i, d in enumerate(drafts):
+        if accept_all or float(torch.rand((), generator=generator)) < float(p[i, d] / q[i, d]):
+            continue
+        residual = p[i].clone() if resample_from_p else (p[i] - q[i]).clamp(min=0)
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
+
+
+def _ex12(quantize=_quantize_int8, accept=_accept_drafts):
+    return types.SimpleNamespace(quantize_int8=quantize, dequantize_int8=_dequantize_int8, accept_drafts=accept)
+
+
+# ------------------------------------------------------------------------------ exercise 13 (docs/10)
+def _column_shard(w, b, rank, world):
+    rows = slice(rank * w.shape[0] // world, (rank + 1) * w.shape[0] // world)
+    return w[rows], None if b is None else b[rows]
+
+
+def _row_shard(w, rank, world):
+    return w[:, rank * w.shape[1] // world:(rank + 1) * w.shape[1] // world]
+
+
+def _tp_mlp(x, w1, b1, w2, b2, world, reduce="sum", bias_per_rank=False):
+    partials = []
+    for rank in range(world):
+        w1_r, b1_r = _column_shard(w1, b1, rank, world)
+        partial = F.gelu(x @ w1_r.T + b1_r) @ _row_shard(w2, rank, world).T  # (T, C)
+        partials.append(partial + b2 if bias_per_rank else partial)
+    total = partials[0] if reduce == "none" else sum(partials)
+    return total if bias_per_rank else total + b2, partials
+
+
+def _qkv_rows(n_heads, n_kv_heads, d_head, rank, world):
+    q = torch.arange(rank * n_heads // world * d_head, (rank + 1) * n_heads // world * d_head)
+    kv = torch.arange(rank * n_kv_heads // world * d_head, (rank + 1) * n_kv_heads // world * d_head)
+    return torch.cat([q, n_heads * d_head + kv, (n_heads + n_kv_heads) * d_head + kv])
+
+
+def _qkv_rows_one_block(n_heads, n_kv_heads, d_head, rank, world):
+    """The fused rows cut like any column-parallel weight: one contiguous block per rank."""
+    per_rank = (n_heads + 2 * n_kv_heads) * d_head // world
+    return torch.arange(rank * per_rank, (rank + 1) * per_rank)
+
+
+def _ex13(mlp=_tp_mlp, qkv=_qkv_rows):
+    return types.SimpleNamespace(column_shard=_column_shard, row_shard=_row_shard, tp_mlp=mlp, qkv_shard_rows=qkv)
+
+
+BROKEN_STAGES = {
+    "ex11_sse_client": {
+        "an event ends with one newline": _ex11(sse=lambda payload: _sse_event(payload)[:-1]),
+        "a stream cut off before [DONE] taken as complete": _ex11(parse=lambda body: _parse_sse(body, False)),
+        "TPOT per chunk (the mean ITL), not per token": _ex11(
+            latency=lambda s, t, n: _latency_metrics(s, t, n, tpot_per="chunk")),
+    },
+    "ex12_int8_speculative": {
+        "one scale for the whole tensor": _ex12(quantize=lambda w: _quantize_int8(w, per_tensor=True)),
+        "truncate instead of round": _ex12(quantize=lambda w: _quantize_int8(w, rounding=torch.trunc)),
+        "every draft accepted": _ex12(accept=lambda p, q, d, g: _accept_drafts(p, q, d, g, accept_all=True)),
+        "resampled from p, not max(p - q, 0)": _ex12(
+            accept=lambda p, q, d, g: _accept_drafts(p, q, d, g, resample_from_p=True)),
+    },
+    "ex13_tensor_parallel": {
+        "no all_reduce: rank 0's partial taken as the output": _ex13(
+            mlp=lambda *a: _tp_mlp(*a, reduce="none")),
+        "b2 added on every rank before the sum": _ex13(mlp=lambda *a: _tp_mlp(*a, bias_per_rank=True)),
+        "W_qkv cut as one contiguous block of rows": _ex13(qkv=_qkv_rows_one_block),
+    },
+}

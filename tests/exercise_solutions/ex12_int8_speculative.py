@@ -1,0 +1,29 @@
+"""Exercise 12 answered by the project's own code: quantize.Int8Linear and speculative.accept_drafts
+(skipped until the decode-speed stage of docs/08 is on this branch)."""
+
+import pytest
+
+pytest.importorskip("mini_transformer.speculative", reason="decode speed (docs/08) is not here yet")
+
+import torch  # noqa: E402
+
+from mini_transformer.quantize import Int8Linear  # noqa: E402
+from mini_transformer.speculative import accept_drafts  # noqa: E402
+
+
+def quantize_int8(w):
+    linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+    layer = Int8Linear.from_linear(linear)
+    return layer.weight, layer.scales
+
+
+def dequantize_int8(q, scales):
+    layer = Int8Linear(q.shape[1], q.shape[0], bias=False)
+    layer.weight.copy_(q)
+    layer.scales.copy_(scales)
+    return layer.dequantize()
+
+
+__all__ = ["accept_drafts", "dequantize_int8", "quantize_int8"]
