@@ -27,7 +27,8 @@ from .transformer import TransformerLM, check_attention_mask, check_token_ids
 
 def prefill(model: TransformerLM, idx: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None):
     """Run the whole prompt (B, T) once, filling the cache. Returns the last position's logits (B, V)."""
-    logits, _ = model(idx, attention_mask=attention_mask, cache=cache, check=False)  # (B, T, V)
+    last = torch.tensor([-1], device=idx.device)
+    logits, _ = model(idx, attention_mask=attention_mask, cache=cache, logits_at=last, check=False)  # (B, 1, V)
     return logits[:, -1]
 
 
