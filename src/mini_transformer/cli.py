@@ -176,18 +176,18 @@ def _run_sample(args) -> None:
 
 
 def _load_sample_model(args, checkpoint, device):
-    """The checkpoint (float, or one written by quantize.save_quantized), quantized if --quantize asks."""
-    from .quantize import is_quantized_checkpoint, load_quantized, quantize
+    """The checkpoint (float, or quantized as saved by quantize.save_quantized), quantized if --quantize asks."""
+    from .quantize import quantize
     from .transformer import TransformerLM
 
     if args.draft_checkpoint and args.prompt_lookup:
         raise ValueError("--draft-checkpoint and --prompt-lookup are two drafters; choose one")
-    if is_quantized_checkpoint(checkpoint):
-        if args.quantize:
-            raise ValueError(f"--checkpoint {args.checkpoint} is already quantized; drop --quantize")
-        return load_quantized(checkpoint, device=device)
     model = TransformerLM.from_pretrained(checkpoint, device=device)
-    return quantize(model, args.quantize, group_size=args.group_size) if args.quantize else model
+    if not args.quantize:
+        return model
+    if getattr(model, "quantization", None):
+        raise ValueError(f"--checkpoint {args.checkpoint} is already quantized; drop --quantize")
+    return quantize(model, args.quantize, group_size=args.group_size)
 
 
 def _read_prompts(args) -> list[str]:

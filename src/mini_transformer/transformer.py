@@ -15,6 +15,7 @@ from .config import TransformerConfig
 from .kv_cache import Cache, KVCache, NoCache
 from .layers import RMSNorm, make_ffn, make_norm
 from .moe import moe_aux_loss
+from .quantize import save_quantized
 from .rope import RotaryEmbedding, apply_rope, sinusoidal_table
 
 
@@ -243,5 +244,9 @@ class TransformerLM(nn.Module):
         return read_checkpoint(path, cls, **overrides).to(device).eval()
 
     def save_pretrained(self, path) -> None:
-        """Write `config.json`, `model.safetensors` and `manifest.json` (their sha256) to the directory `path`."""
-        write_checkpoint(path, self.config, self.state_dict())
+        """Write `config.json`, `model.safetensors` and `manifest.json` (their sha256) to the directory `path`;
+        a quantized model also writes `quantization.json` (quantize.save_quantized)."""
+        if getattr(self, "quantization", None):
+            save_quantized(self, path)
+        else:
+            write_checkpoint(path, self.config, self.state_dict())
