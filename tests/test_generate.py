@@ -266,3 +266,20 @@ def test_decode_steps_never_wait_for_the_gpu(params):
                 logits = decode_step(model, next_ids, cache)
         finally:
             torch.cuda.set_sync_debug_mode(0)
+
+
+def test_generate_long_keeps_a_stopped_row_stopped_in_later_chunks():
+    """Row 0 stops in the first chunk, row 1 runs on through three more: row 0 must repeat its stop token
+    to the end instead of generating again after the window slides."""
+    from mini_transformer.generate import generate_long
+
+    torch.manual_seed(1)
+    model = TransformerLM(TransformerConfig.from_preset("tiny", max_seq_len=16, vocab_size=20)).eval()
+    idx = torch.randint(0, 20, (2, 4))
+    first = generate(model, idx[:1], 3)[0].tolist()
+    eos = first[2]
+    row1_alone = generate_long(model, idx[1:], 30)[0].tolist()
+    assert eos not in first[:2] and eos not in row1_alone  # the setup: only row 0 ever stops
+    out = generate_long(model, idx, 30, eos_token_id=eos)
+    assert out[0].tolist() == first + [eos] * 27
+    assert out[1].tolist() == row1_alone

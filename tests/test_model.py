@@ -221,3 +221,20 @@ def test_error_paths(call, error, words):
     with pytest.raises(error) as err:
         call(tiny())
     assert words in str(err.value)
+
+
+def test_logits_at_computes_only_the_rows_asked_for():
+    model = tiny().eval()
+    idx = torch.randint(0, 100, (2, 9))
+    at = torch.tensor([0, 4, -1])
+    with torch.no_grad():
+        full, _ = model(idx)
+        some, _ = model(idx, logits_at=at)
+    assert some.shape == (2, 3, full.shape[-1])
+    torch.testing.assert_close(some, full[:, at], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="logits_at and targets"):
+        model(idx, idx, logits_at=at)
+    with pytest.raises(ValueError, match=r"outside \[-9, 9\)"):
+        model(idx, logits_at=torch.tensor([9]))
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        model(idx, logits_at=torch.tensor([[1]]))

@@ -2,13 +2,17 @@
 scales imply (rounding moves a weight by at most half a step), the packed kernels against
 dequantize-then-matmul, quantize() on a whole model in place, and safetensors save/load round trips."""
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file
 
 from mini_transformer import TransformerConfig, TransformerLM, generate
+from mini_transformer.checkpoint import CheckpointError
 from mini_transformer.quantize import (
     Int4Linear,
     Int8Linear,
@@ -158,6 +162,56 @@ def test_quantized_checkpoint_round_trips(tmp_path, mode):
     idx = torch.randint(0, 100, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(loaded(idx)[0], model(idx)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_quantized_checkpoint_loads_through_from_pretrained(tmp_path, mode, tied):
+    """One loader: from_pretrained sees quantization.json and rebuilds the quantized model, head included
+    (a tied head was quantized into its own copy, so it must have been saved beside the embedding)."""
+    model = quantize(tiny_model(tie_weights=tied), mode, group_size=32)
+    model.save_pretrained(tmp_path)  # a quantized model's save_pretrained is save_quantized
+    assert json.loads((tmp_path / "quantization.json").read_text()) == model.quantization
+    assert "quantization.json" in json.loads((tmp_path / "manifest.json").read_text())["files"]
+    loaded = TransformerLM.from_pretrained(tmp_path)
+    assert type(loaded.lm_head) is type(model.lm_head) is (Int8Linear if mode == "int8" else Int4Linear)
+    assert loaded.quantization == model.quantization
+    idx = torch.randint(0, 100, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(idx)[0], model(idx)[0], rtol=0, atol=0)
+
+
+def test_a_float_tied_head_is_still_stored_once(tmp_path):
+    tiny_model().save_pretrained(tmp_path)
+    assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))
+    loaded = TransformerLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.tok_emb.weight
+
+
+def test_damaged_quantized_weights_are_refused_by_the_manifest(tmp_path):
+    save_quantized(quantize(tiny_model(), "int8"), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # one bit of the last tensor's bytes: same size, a slightly different weight
+    weights.write_bytes(bytes(data))
+    for load in (TransformerLM.from_pretrained, load_quantized):
+        with pytest.raises(CheckpointError, match=r"model\.safetensors does not match the sha256"):
+            load(tmp_path)
+
+
+def test_server_build_context_serves_a_quantized_checkpoint(tmp_path):
+    from server_support import make_char_checkpoint, offline_greedy
+
+    from mini_transformer.server import build_context
+
+    model, tokenizer = make_char_checkpoint(tmp_path)
+    quantized = quantize(model, "int4", group_size=32)
+    save_quantized(quantized, tmp_path)  # over the float files: same directory, same tokenizer
+    ctx = build_context(tmp_path, num_blocks=32, block_size=4)
+    served = ctx.engine_loop.engine.model
+    assert served.quantization == quantized.quantization
+    prompt = tokenizer.encode("hello there")
+    assert offline_greedy(served, [prompt], 6) == offline_greedy(quantized, [prompt], 6)
 
 
 def test_quantize_door_errors(tmp_path):

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from mini_transformer.sampling import (
     SamplingParams,
     apply_repetition_penalty,
+    draw_from_probs,
+    filtered_logits,
     min_p_filter,
     sample_next,
     top_k_filter,
@@ -130,6 +132,50 @@ def test_filters_match_hugging_face_processors(seed, top_k, top_p, min_p, penalt
     probs = torch.softmax(logits, -1).sort(dim=-1, descending=True).values.cumsum(-1)
     if (probs - top_p).abs().min() > 1e-6:
         assert kept(top_p_filter(logits, top_p)) == kept(TopPLogitsWarper(top_p)(None, logits))
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**16), top_k=st.one_of(st.none(), st.integers(1, 12)),
+       top_p=st.one_of(st.none(), st.floats(0.05, 1.0)), min_p=st.one_of(st.none(), st.floats(0.0, 1.0)),
+       temperature=st.floats(0.2, 3.0))
+def test_filtered_logits_is_hugging_faces_warper_chain(seed, top_k, top_p, min_p, temperature):
+    """filtered_logits = HF's temperature -> top-k -> top-p -> min-p warpers, applied in that order."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
+    want = TemperatureLogitsWarper(temperature)(None, logits)
+    # top-p: stay away from ties between the cumulative mass and p (float rounding decides those)
+    if top_p is not None:
+        after_top_k = want if top_k is None else TopKLogitsWarper(top_k)(None, want)
+        mass = torch.softmax(after_top_k, -1).sort(dim=-1, descending=True).values.cumsum(-1)
+        if (mass - top_p).abs().min() <= 1e-6:
+            return
+    for warper, value in ((TopKLogitsWarper, top_k), (TopPLogitsWarper, top_p), (MinPLogitsWarper, min_p)):
+        if value is not None:
+            want = warper(value)(None, want)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    got = filtered_logits(logits, params)
+    assert kept(got) == kept(want)
+    keep = want > -INF
+    torch.testing.assert_close(got[keep].double(), want[keep], rtol=1e-6, atol=1e-6)
+
+
+def test_draw_from_probs_needs_no_normalised_weights():
+    """Weights 4 : 3 : 2 : 1 : 0, not summing to one: drawn in those proportions, the zero never; the same
+    seed gives the same draws whatever the scale of the weights."""
+    weights = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).expand(20000, 5)
+    ids = draw_from_probs(weights * 7, torch.Generator().manual_seed(0))
+    assert torch.equal(ids, draw_from_probs(weights, torch.Generator().manual_seed(0)))
+    shares = torch.bincount(ids, minlength=5).double() / len(ids)
+    assert shares[4] == 0
+    # 20000 draws: each share's standard deviation is at most 0.0035, so 0.02 is 5.7 of them (false alarm < 1e-7)
+    torch.testing.assert_close(shares[:4], torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64),
+                               atol=0.02, rtol=0)
 
 
 def test_filters_compose_and_never_produce_nan():

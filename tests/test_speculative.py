@@ -125,6 +125,49 @@ def test_acceptance_rule_is_exact_for_random_distributions(seed):
     assert chi_square_p_value(counts, p[0]) > ALPHA
 
 
+def exact_round_law(p: torch.Tensor, q: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+    """The reference, a plain loop: P(n accepted = j and the next token = t), flattened over (j, t).
+    Accept draft i with a_i = min(1, p_i(d_i) / q_i(d_i)); the first rejection at j draws from the
+    normalised max(p_j - q_j, 0); all k accepted draws from p_k."""
+    k, vocab = len(drafts), p.shape[1]
+    law = torch.zeros(k + 1, vocab, dtype=torch.float64)
+    all_before = 1.0  # P(drafts 0 .. j-1 all accepted)
+    for j, d in enumerate(drafts):
+        accept = min(1.0, float(p[j, d] / q[j, d]))
+        residual = (p[j] - q[j]).clamp(min=0).double()
+        law[j] = all_before * (1 - accept) * residual / residual.sum()
+        all_before *= accept
+    law[k] = all_before * p[k].double()
+    return law.reshape(-1)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_acceptance_rule_with_several_drafts_follows_its_exact_law(seed):
+    """accept_drafts on the device (uniforms drawn at once, one read back) against the plain-loop law of
+    (n accepted, next token): 4000 rounds of k = 3 drafts, chi-square at false-alarm rate ALPHA."""
+    gen = torch.Generator().manual_seed(seed)
+    k, vocab = 3, 5
+    p = torch.softmax(torch.randn(k + 1, vocab, generator=gen), dim=-1)
+    q = torch.softmax(torch.randn(k, vocab, generator=gen), dim=-1)
+    drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(k)]
+    counts = torch.zeros((k + 1) * vocab)
+    for _ in range(4000):
+        n_accepted, nxt = accept_drafts(p, q, drafts, gen)
+        counts[n_accepted * vocab + nxt] += 1
+    assert chi_square_p_value(counts, exact_round_law(p, q, drafts)) > ALPHA
+
+
+@pytest.mark.parametrize("drafter", ["model", "prompt_lookup"])
+def test_sampling_filters_reach_the_drafts_top_k_one_is_greedy(drafter):
+    """Speculative sampling filters p and q with sample_next's chain: top_k=1 leaves one token, so even at
+    temperature 1 the output is the target's plain greedy output."""
+    target = model(n_layer=2, seed=0)
+    draft = model(n_layer=1, seed=1) if drafter == "model" else drafter
+    idx = torch.randint(0, 32, (1, 7))
+    params = SamplingParams(max_tokens=20, temperature=1.0, top_k=1, seed=3)
+    assert torch.equal(speculative_generate(target, idx, params, draft, 3), generate(target, idx, 20))
+
+
 def test_rollback_equals_never_having_written():
     """Write 5 tokens, roll back 3, write 2 others: same logits and state as writing 2 + 2 directly."""
     target = model()

@@ -101,6 +101,26 @@ def test_static_cache_door_errors():
         StaticCache(2, 0, 8, 4, 8)
 
 
+@pytest.mark.parametrize("field", ["n_layer", "batch_size", "max_len", "n_kv_heads", "d_head"])
+@pytest.mark.parametrize("value", [0, -1, 2.0, True])
+def test_both_caches_share_one_size_check_and_for_model(field, value):
+    """StaticCache and KVCache (the reference) refuse the same sizes with the same message, and for_model
+    gives them the same slabs: one (B, Hkv, max_len, D) per layer and kind."""
+    sizes = dict(n_layer=2, batch_size=1, max_len=8, n_kv_heads=2, d_head=4)
+    messages = []
+    for cache_class in (KVCache, StaticCache):
+        with pytest.raises(ValueError, match=field) as err:
+            cache_class(**{**sizes, field: value})
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
+    cfg = small_model(n_kv_heads=2).config
+    static, dynamic = StaticCache.for_model(cfg, 3, 16), KVCache.for_model(cfg, 3, 16)
+    assert type(static) is StaticCache and type(dynamic) is KVCache
+    assert [tuple(k.shape) for k in static.k] == [tuple(k.shape) for k in dynamic.k] == [(3, 2, 16, 8)] * 2
+    assert static.nbytes == dynamic.nbytes
+    assert StaticCache.for_model(cfg, 1).max_len == KVCache.for_model(cfg, 1).max_len == cfg.max_seq_len
+
+
 def test_generate_compile_door_errors():
     model = small_model(dtype=torch.float32)
     idx = torch.randint(0, VOCAB, (1, 3))

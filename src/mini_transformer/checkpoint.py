@@ -3,7 +3,9 @@ that also takes local Hugging Face GPT-2 / Llama directories (their mapping live
 
 This module speaks TransformerConfig and state dicts; it never imports the model. TransformerLM's
 `from_pretrained` / `save_pretrained` call down into `read_checkpoint` / `write_checkpoint`, so data
-flows one way: transformer -> checkpoint -> hf_import -> config.
+flows one way: transformer -> checkpoint -> hf_import -> config. A quantized model is saved the same
+way plus a `quantization.json` (quantize.py), and read back by swapping quantized linears into the
+fresh model before its tensors are loaded.
 
 Integrity: every directory we write ends with `manifest.json`, the size and sha256 of each file in it,
 written last. Loading checks the manifest before reading anything else and refuses NaN / inf weights,
@@ -24,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import TransformerConfig
 from .hf_import import config_from_hf, convert_hf_state, read_hf_weights
+from .quantize import QUANT_CONFIG_NAME, quantize
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -128,9 +131,18 @@ def verify_checkpoint(path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------- write and read
+def head_is_embedding(state: dict[str, torch.Tensor]) -> bool:
+    """Whether `state`'s lm_head.weight IS tok_emb.weight (a tied head: one storage). A tied config is not
+    enough: quantize() gives a tied head its own int8 / int4 copy, and that copy must be saved."""
+    head, embedding = state.get("lm_head.weight"), state.get("tok_emb.weight")
+    return (head is not None and embedding is not None and head.data_ptr() == embedding.data_ptr()
+            and head.shape == embedding.shape)
+
+
 def write_checkpoint(path: str | Path, config: TransformerConfig, state_dict: dict[str, torch.Tensor], *,
                      manifest: bool = True) -> None:
-    """Write config.json, model.safetensors and manifest.json. A tied head is stored once (as tok_emb.weight).
+    """Write config.json, model.safetensors and manifest.json. A tied head is stored once (as tok_emb.weight);
+    a quantized copy of it (see head_is_embedding) is stored as lm_head.weight.
 
     The old manifest goes first and the new one comes last, so a save killed half-way leaves a
     directory that loading refuses instead of one that mixes two models. `manifest=False` leaves it
@@ -139,8 +151,8 @@ def write_checkpoint(path: str | Path, config: TransformerConfig, state_dict: di
     path.mkdir(parents=True, exist_ok=True)
     (path / MANIFEST_NAME).unlink(missing_ok=True)
     state = clean_state_dict(state_dict)
-    if config.tie_weights:
-        state.pop("lm_head.weight", None)
+    if config.tie_weights and head_is_embedding(state):
+        state.pop("lm_head.weight")
     save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path / WEIGHTS_NAME))
     (path / CONFIG_NAME).write_text(json.dumps({"model_type": MODEL_TYPE, **config.to_dict()}, indent=2))
     if manifest:
@@ -151,7 +163,7 @@ def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
     """Copy `state` into `model`, raising ValueError on a missing, extra or mis-shaped tensor."""
     state = clean_state_dict(state)
     expected = model.state_dict()
-    if model.config.tie_weights:
+    if head_is_embedding(expected):  # a tied head is filled through tok_emb.weight
         expected.pop("lm_head.weight", None)
         state.pop("lm_head.weight", None)
     missing = sorted(set(expected) - set(state))
@@ -173,12 +185,24 @@ def check_finite(state: dict[str, torch.Tensor], path: Path) -> None:
             raise CheckpointError(f"{path}: tensor {name!r} holds NaN or inf values; refusing to load it")
 
 
+def read_quantization(path: Path) -> dict | None:
+    """The settings quantize.save_quantized wrote next to the weights, or None for a float checkpoint."""
+    file = path / QUANT_CONFIG_NAME
+    if not file.is_file():
+        return None
+    settings = read_json(file)
+    if not {"mode", "group_size"} <= settings.keys():
+        raise CheckpointError(f"{file} has keys {sorted(settings)}; expected at least 'mode' and 'group_size'")
+    return settings
+
+
 def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig], torch.nn.Module],
                     **overrides) -> torch.nn.Module:
     """Build a model with `make_model(config)` and fill it from a directory written by `write_checkpoint`
     or from a local Hugging Face GPT-2 / Llama directory. Never touches the network.
 
-    Ours must pass its manifest; a HF directory (no manifest) may name only files inside itself.
+    Ours must pass its manifest; a HF directory (no manifest) may name only files inside itself. One of
+    ours with a quantization.json (quantize.save_quantized) comes back quantized, as it was saved.
     `overrides` change config fields (e.g. attn_backend="sdpa")."""
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"path={path!r} must be a directory path (str or os.PathLike)")
@@ -196,6 +220,9 @@ def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig], 
     if ours:
         raw.pop("model_type", None)
         model = make_model(TransformerConfig.from_dict({**raw, **overrides}))
+        settings = read_quantization(path)
+        if settings is not None:  # swap in the quantized linears first, so the saved tensors fit them
+            model = quantize(model, settings["mode"], settings["group_size"])
         weights = path / WEIGHTS_NAME
         if not weights.is_file():
             raise CheckpointError(f"{weights} is missing; expected the weights next to {CONFIG_NAME}")

@@ -95,6 +95,8 @@ def _add_sample(sub) -> None:
     p.add_argument("--draft-checkpoint", help="a small model sharing the tokenizer: speculative decoding")
     p.add_argument("--prompt-lookup", action="store_true", help="speculative decoding with n-gram drafts from the text")
     p.add_argument("--speculative-tokens", type=int, default=4, help="tokens drafted per target pass")
+    p.add_argument("--tensor-parallel", action="store_true",
+                   help="under torchrun: split heads, FFN and vocabulary over the ranks (rank 0 prints)")
     p.set_defaults(func=_run_sample)
 
 
@@ -140,6 +142,16 @@ def _run_sample(args) -> None:
     checkpoint = resolve_checkpoint_dir(args.checkpoint)  # `best` is found even mid-save
     model = _load_sample_model(args, checkpoint, device)  # verifies the manifest first
     tokenizer = load_tokenizer(checkpoint)
+    out = sys.stdout
+    if args.tensor_parallel:  # every rank runs the same loop on its shard; only rank 0 prints
+        if len(prompts) > 1:
+            raise ValueError("--tensor-parallel continues one --prompt (several go through the engine, one process)")
+        if args.quantize or args.compile or args.draft_checkpoint or args.prompt_lookup:
+            raise ValueError("--tensor-parallel runs the plain model: leave out --quantize, --compile, "
+                             "--draft-checkpoint and --prompt-lookup")
+        from .parallel.tp import shard_for_command_line
+
+        out = shard_for_command_line(model, device)
     if len(prompts) > 1:
         _sample_with_engine(model, tokenizer, prompts, params)
         return
@@ -147,7 +159,7 @@ def _run_sample(args) -> None:
     if not prompt_ids:
         raise ValueError("--prompt is empty; give at least one character of text to continue")
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, T)
-    stream = _TextStream(tokenizer, sys.stdout, prompts[0])
+    stream = _TextStream(tokenizer, out, prompts[0])
     # past max_seq_len generate_long slides the context window (re-prefilling its second half)
     draft = "prompt_lookup" if args.prompt_lookup else None
     if args.draft_checkpoint:
@@ -156,22 +168,22 @@ def _run_sample(args) -> None:
                   stream=stream, compile=args.compile, draft_model=draft,
                   num_speculative_tokens=args.speculative_tokens)
     stream.flush()
-    sys.stdout.write("\n")
+    out.write("\n")
 
 
 def _load_sample_model(args, checkpoint, device):
-    """The checkpoint (float, or one written by quantize.save_quantized), quantized if --quantize asks."""
-    from .quantize import is_quantized_checkpoint, load_quantized, quantize
+    """The checkpoint (float, or quantized as saved by quantize.save_quantized), quantized if --quantize asks."""
+    from .quantize import quantize
     from .transformer import TransformerLM
 
     if args.draft_checkpoint and args.prompt_lookup:
         raise ValueError("--draft-checkpoint and --prompt-lookup are two drafters; choose one")
-    if is_quantized_checkpoint(checkpoint):
-        if args.quantize:
-            raise ValueError(f"--checkpoint {args.checkpoint} is already quantized; drop --quantize")
-        return load_quantized(checkpoint, device=device)
     model = TransformerLM.from_pretrained(checkpoint, device=device)
-    return quantize(model, args.quantize, group_size=args.group_size) if args.quantize else model
+    if not args.quantize:
+        return model
+    if getattr(model, "quantization", None):
+        raise ValueError(f"--checkpoint {args.checkpoint} is already quantized; drop --quantize")
+    return quantize(model, args.quantize, group_size=args.group_size)
 
 
 def _read_prompts(args) -> list[str]:
@@ -242,6 +254,8 @@ def _add_train(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run already in --out (its checkpoints are deleted); default: refuse")
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
+    p.add_argument("--fsdp", action="store_true", default=None,
+                   help="under torchrun: shard weights, gradients and optimizer state (FSDP2) instead of DDP")
     for flag, (_, kind, help_text) in _TRAIN_FLAGS.items():
         p.add_argument(flag, type=kind, help=help_text)
     p.set_defaults(func=_run_train)
@@ -263,7 +277,7 @@ def train_configs_from_args(args):
             raise ValueError(f"--set {key}=... is not a model or training field; expected one of "
                              f"{sorted(model_fields | train_fields)}")
     given = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in _TRAIN_FLAGS.items()}
-    given.update(data=args.data, max_steps=args.max_steps, compile=args.compile, out_dir=args.out)
+    given.update(data=args.data, max_steps=args.max_steps, compile=args.compile, out_dir=args.out, fsdp=args.fsdp)
     given = {**{k: v for k, v in given.items() if v is not None}, **train_set}
     if args.resume:  # the run continues with its saved settings; what is given here overrides them
         from .train_io import find_checkpoint, load_train_state

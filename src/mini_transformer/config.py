@@ -114,6 +114,7 @@ class TransformerConfig(DictIO):
     moe_shared_expert_size: int = 0  # width of an always-on shared expert; 0 = none
     moe_shared_expert_gate: bool = False  # scale the shared expert by sigmoid(w . x) (Qwen2-MoE)
     moe_aux_loss_coef: float = 0.01  # load-balancing loss weight, added to the loss in training mode
+    activation_checkpointing: bool = False  # training: keep block inputs only, recompute the rest in backward
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layer", "max_seq_len", "ffn_multiple_of"):
@@ -125,7 +126,8 @@ class TransformerConfig(DictIO):
         _check_choice("attn_backend", self.attn_backend, ATTN_BACKENDS)
         for name in ("attn_pdrop", "resid_pdrop", "embd_pdrop"):
             _check_probability(name, getattr(self, name))
-        for name in ("bias", "tie_weights", "qk_norm", "moe_norm_topk_prob", "moe_shared_expert_gate"):
+        for name in ("bias", "tie_weights", "qk_norm", "moe_norm_topk_prob", "moe_shared_expert_gate",
+                     "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
         self._check_family_and_moe_switches()

@@ -27,7 +27,8 @@ from .transformer import TransformerLM, check_attention_mask, check_token_ids
 
 def prefill(model: TransformerLM, idx: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None):
     """Run the whole prompt (B, T) once, filling the cache. Returns the last position's logits (B, V)."""
-    logits, _ = model(idx, attention_mask=attention_mask, cache=cache, check=False)  # (B, T, V)
+    last = torch.tensor([-1], device=idx.device)
+    logits, _ = model(idx, attention_mask=attention_mask, cache=cache, logits_at=last, check=False)  # (B, 1, V)
     return logits[:, -1]
 
 
@@ -215,7 +216,8 @@ def generate_long(
         raise ValueError(f"keep_tokens={keep_tokens!r} must be an integer in [1, max_seq_len={context})")
     if generator is None:  # one generator for every chunk, so a seed does not repeat its draws
         generator = params.make_generator(idx.device)
-    stops = params.stops(eos_token_id)
+    stops = torch.tensor(params.stops(eos_token_id), dtype=torch.long, device=idx.device)  # (S,)
+    finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)  # (B,) rows that have stopped
     window = idx[:, -context + 1:] if idx.shape[1] >= context else idx  # at least one slot left to generate
     chunks: list[torch.Tensor] = []
     produced = 0
@@ -225,9 +227,13 @@ def generate_long(
         new = generate(model, window, chunk_params, eos_token_id=eos_token_id, use_cache=use_cache,
                        generator=generator, stream=stream, compile=compile, draft_model=draft_model,
                        num_speculative_tokens=num_speculative_tokens)  # (B, n)
+        if len(stops):  # a row that stopped in an earlier chunk keeps repeating its stop token
+            if chunks:
+                new = torch.where(finished[:, None], chunks[-1][:, -1:], new)
+            finished |= torch.isin(new, stops).any(dim=-1)
         chunks.append(new)
         produced += n
-        if stops and bool(torch.isin(new, torch.tensor(stops, device=new.device)).any(dim=-1).all()):
+        if len(stops) and bool(finished.all()):
             break  # every row has stopped
         window = torch.cat([window, new], dim=1)[:, -keep_tokens:]  # (B, keep_tokens)
     return torch.cat(chunks, dim=1)

@@ -8,7 +8,8 @@ The model never looks inside a cache. For each forward pass it asks two things:
 `NoCache` is a forward pass over whole sequences (training, a full recompute): the keys are the new
 tokens themselves. `KVCache` is the contiguous slab of generate(): one (B, Hkv, max_len, D) tensor per
 layer, written by position. The serving engine's paged batch answers the same two calls over a pool of
-blocks, so the same model runs all three.
+blocks, so the same model runs all three. `SlabCache` holds what KVCache shares with static_cache.py's
+StaticCache: the check of the sizes and `for_model`.
 
 `attend(q, k, v, key_padding_mask)` is the model's attention (its backend, causal, queries at the end of
 the keys); key_padding_mask (B, Tk) bool, True = a real key, or None when no key is padding.
@@ -17,7 +18,7 @@ the keys); key_padding_mask (B, Tk) bool, True = a real key, or None when no key
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, Self
 
 import torch
 
@@ -49,7 +50,29 @@ class NoCache:
         return attend(q, k, v, self.key_padding_mask)
 
 
-class KVCache:
+class SlabCache:
+    """What the two slab caches share (KVCache here, StaticCache in static_cache.py): the check of their
+    sizes and `for_model`. Each lays out its own slabs; both take (n_layer, batch_size, max_len,
+    n_kv_heads, d_head) and the dtype and device of the slabs."""
+
+    @staticmethod
+    def check_sizes(**sizes: int) -> None:
+        """ValueError naming the first size that is not a positive integer (the constructors' door)."""
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+
+    @classmethod
+    def for_model(cls, cfg: TransformerConfig, batch_size: int, max_len: int | None = None, *,
+                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Self:
+        """A cache shaped for a `cfg` model: batch_size rows of max_len slots (default: max_seq_len)."""
+        max_len = cfg.max_seq_len if max_len is None else max_len
+        if max_len > cfg.max_seq_len:
+            raise ValueError(f"max_len={max_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
+        return cls(cfg.n_layer, batch_size, max_len, cfg.n_kv_heads, cfg.d_head, dtype=dtype, device=device)
+
+
+class KVCache(SlabCache):
     """A preallocated cache: one (B, Hkv, max_len, D) slab of keys and one of values per layer.
 
     Rows of a batch are left-padded, so every row has the same number of written slots (`length`);
@@ -60,10 +83,8 @@ class KVCache:
 
     def __init__(self, n_layer: int, batch_size: int, max_len: int, n_kv_heads: int, d_head: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        for name, value in (("n_layer", n_layer), ("batch_size", batch_size), ("max_len", max_len),
-                            ("n_kv_heads", n_kv_heads), ("d_head", d_head)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+        self.check_sizes(n_layer=n_layer, batch_size=batch_size, max_len=max_len, n_kv_heads=n_kv_heads,
+                         d_head=d_head)
         shape = (n_layer, batch_size, n_kv_heads, max_len, d_head)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -71,14 +92,6 @@ class KVCache:
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.start = self.length = 0  # the slots [start, length) hold the tokens of the current pass
         self.has_padding = False  # a Python flag, so that deciding "no mask needed" never syncs a device
-
-    @classmethod
-    def for_model(cls, cfg: TransformerConfig, batch_size: int, max_len: int | None = None, *,
-                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> KVCache:
-        max_len = cfg.max_seq_len if max_len is None else max_len
-        if max_len > cfg.max_seq_len:
-            raise ValueError(f"max_len={max_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
-        return cls(cfg.n_layer, batch_size, max_len, cfg.n_kv_heads, cfg.d_head, dtype=dtype, device=device)
 
     @property
     def batch_size(self) -> int:

@@ -12,7 +12,7 @@ y[n] = sum_k x[k] w[n, k] the error is therefore at most sum_k |x[k]| * s[n, gro
 
     quantize(model, "int8")               # every nn.Linear replaced in place; the model stays one TransformerLM
     quantize(model, "int4", group_size=64)
-    save_quantized(model, path); model = load_quantized(path)
+    save_quantized(model, path); model = TransformerLM.from_pretrained(path)   # comes back quantized
 
 How the matmul reads the small weights, three ways (the same numbers up to float rounding):
   * inside a compiled decode step (a few rows): written as multiply-and-sum over the input dimension,
@@ -233,20 +233,14 @@ def quantize(model: nn.Module, mode: str, group_size: int = 64, *, packed_kernel
 
 
 def save_quantized(model: nn.Module, path: str | Path) -> None:
-    """config.json + model.safetensors (the quantized tensors as they are) + quantization.json, then the
-    manifest (sizes and sha256 of the files, written last, as checkpoint.py does)."""
-    from safetensors.torch import save_file
-
-    from .checkpoint import CONFIG_NAME, MANIFEST_NAME, WEIGHTS_NAME, write_manifest
+    """A checkpoint like save_pretrained's (the quantized tensors as they are) plus quantization.json, then
+    the manifest, written last. TransformerLM.from_pretrained(path) loads it back quantized."""
+    from .checkpoint import write_checkpoint, write_manifest  # at call time: checkpoint.py imports this module
 
     if not getattr(model, "quantization", None):
         raise ValueError("the model is not quantized; call quantize(model, mode) first")
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / MANIFEST_NAME).unlink(missing_ok=True)  # a save killed half-way must not look complete
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, str(path / WEIGHTS_NAME))
-    (path / CONFIG_NAME).write_text(json.dumps({"model_type": "mini-transformer", **model.config.to_dict()}, indent=2))
+    write_checkpoint(path, model.config, model.state_dict(), manifest=False)
     (path / QUANT_CONFIG_NAME).write_text(json.dumps(model.quantization, indent=2))
     write_manifest(path)
 
@@ -256,21 +250,10 @@ def is_quantized_checkpoint(path: str | Path) -> bool:
 
 
 def load_quantized(path: str | Path, *, device: str | torch.device = "cpu"):
-    """Rebuild the model from config.json, quantize its (random) linears to make the right modules, then
-    load the saved tensors into them (strict: a missing or extra tensor is an error)."""
-    from safetensors.torch import load_file
-
-    from .checkpoint import CONFIG_NAME, WEIGHTS_NAME, verify_manifest
-    from .config import TransformerConfig
+    """TransformerLM.from_pretrained for a directory that must hold a quantized model."""
+    from .checkpoint import resolve_checkpoint_dir
     from .transformer import TransformerLM
 
-    path = Path(path)
-    if not is_quantized_checkpoint(path):
+    if not is_quantized_checkpoint(resolve_checkpoint_dir(path)):
         raise ValueError(f"path={str(path)!r} has no {QUANT_CONFIG_NAME}; expected a directory from save_quantized")
-    verify_manifest(path)
-    raw = json.loads((path / CONFIG_NAME).read_text())
-    raw.pop("model_type", None)
-    settings = json.loads((path / QUANT_CONFIG_NAME).read_text())
-    model = quantize(TransformerLM(TransformerConfig.from_dict(raw)), settings["mode"], settings["group_size"])
-    model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=True)
-    return model.to(device).eval()
+    return TransformerLM.from_pretrained(path, device=device)

@@ -7,7 +7,8 @@ tokens set to -inf, so they compose:
     logits = top_p_filter(top_k_filter(logits / 0.8, 50), 0.9)
     next_ids = sample_from(logits, generator)
 
-`sample_next` runs them in that order (penalty, temperature, top-k, top-p, min-p; Hugging Face's order).
+`sample_next` runs them in that order (penalty, then `filtered_logits`: temperature, top-k, top-p, min-p;
+Hugging Face's order).
 Every filter keeps at least the most likely token, so the softmax never sees a row of only -inf (no NaN).
 The filters trust their arguments: `SamplingParams` checks the user's values once, where they come in.
 """
@@ -140,15 +141,36 @@ def apply_repetition_penalty(
     return torch.where(counts > 0, penalised, logits)
 
 
-def sample_from(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw one token per row from softmax(logits): (B, V) -> (B,).
+def draw_from_probs(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one index per row with probability proportional to `weights` (B, V) >= 0: (B, V) -> (B,).
 
-    The exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i (the
-    smallest E_i / p_i wins, and E_i / p_i ~ Exp(p_i)). Unlike torch.multinomial it never waits for the
-    device, so a GPU decode loop runs without a sync (gpt-fast samples the same way)."""
+    The exponential race: argmax(w_i / E_i) with E_i ~ Exp(1) picks i with probability w_i / sum(w)
+    (the smallest E_i / w_i wins, and E_i / w_i ~ Exp(w_i)), so the weights need not be normalised.
+    Unlike torch.multinomial it never waits for the device, so a GPU decode loop runs without a sync
+    (gpt-fast samples the same way)."""
+    race = torch.empty_like(weights).exponential_(1.0, generator=generator)  # (B, V)
+    return (weights / race).argmax(dim=-1)  # (B,)
+
+
+def sample_from(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token per row from softmax(logits): (B, V) -> (B,), by draw_from_probs's race."""
     probs = torch.softmax(logits.float(), dim=-1)  # (B, V); dropped tokens have probability exactly 0
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)  # (B, V)
-    return (probs / race).argmax(dim=-1)  # (B,)
+    return draw_from_probs(probs, generator)
+
+
+def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(B, V) logits -> (B, V) float logits a sampled request (temperature > 0) draws from: temperature,
+    then top-k, top-p, min-p; dropped tokens are -inf. The repetition penalty is not here (it needs the
+    tokens seen so far): sample_next applies it first. Speculative decoding uses this same chain."""
+    assert not params.greedy, "greedy decoding takes the argmax; there is nothing to filter"
+    logits = logits.float() / params.temperature  # < 1 sharpens the distribution, > 1 flattens it
+    if params.top_k is not None:
+        logits = top_k_filter(logits, params.top_k)
+    if params.top_p is not None:
+        logits = top_p_filter(logits, params.top_p)
+    if params.min_p is not None and params.min_p > 0.0:
+        logits = min_p_filter(logits, params.min_p)
+    return logits
 
 
 def sample_next(
@@ -168,11 +190,4 @@ def sample_next(
         logits = apply_repetition_penalty(logits, previous_ids, params.repetition_penalty, previous_mask)
     if params.greedy:
         return logits.argmax(dim=-1)
-    logits = logits / params.temperature  # < 1 sharpens the distribution, > 1 flattens it
-    if params.top_k is not None:
-        logits = top_k_filter(logits, params.top_k)
-    if params.top_p is not None:
-        logits = top_p_filter(logits, params.top_p)
-    if params.min_p is not None and params.min_p > 0.0:
-        logits = min_p_filter(logits, params.min_p)
-    return sample_from(logits, generator)
+    return sample_from(filtered_logits(logits, params), generator)

@@ -19,8 +19,10 @@ the tokens that followed the latest earlier occurrence of the context's last n-g
 model at all; it shines when the output repeats its input: code edits, quoting, summaries).
 
 Both models keep a `KVCache`; after a rejection the caches `rollback()` the slots of the rejected drafts.
-One row (B = 1): rows accepting different counts would need ragged caches. Each round reads the
-number of accepted tokens back to the host — once per round, not per token.
+One row (B = 1): rows accepting different counts would need ragged caches. Tokens are chosen with
+sampling.py's own filter chain (`filtered_logits`) and exponential race (`draw_from_probs`), and each
+round reads the device twice, never once per token: the k drafts, then the accepted count with the
+token that follows.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .kv_cache import KVCache
-from .sampling import SamplingParams, min_p_filter, top_k_filter, top_p_filter
+from .sampling import SamplingParams, draw_from_probs, filtered_logits
 from .transformer import TransformerLM
 
 PROMPT_LOOKUP = "prompt_lookup"
@@ -52,35 +54,30 @@ class SpeculativeStats:
 
 def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(R, V) logits -> (R, V) probabilities of the token sample_next would draw (one-hot when greedy)."""
-    logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
-    if params.top_k is not None:
-        logits = top_k_filter(logits, params.top_k)
-    if params.top_p is not None:
-        logits = top_p_filter(logits, params.top_p)
-    if params.min_p is not None and params.min_p > 0.0:
-        logits = min_p_filter(logits, params.min_p)
-    return torch.softmax(logits, dim=-1)
-
-
-def _draw(probs: torch.Tensor, generator) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.softmax(filtered_logits(logits, params), dim=-1)
 
 
 def accept_drafts(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator) -> tuple[int, int]:
     """The acceptance rule. p (k+1, V) target probabilities at each drafted position and after the last;
-    q (k, V) the drafter's; drafts the k drafted ids. Returns (n accepted, the token that follows them)."""
-    for i, d in enumerate(drafts):
-        ratio = p[i, d] / q[i, d]  # q[i, d] > 0: d was drawn from q[i]
-        if float(torch.rand((), generator=generator, device=p.device)) < float(ratio):
-            continue
-        residual = (p[i] - q[i]).clamp(min=0)
-        if float(residual.sum()) <= 0:  # p == q: a rejection has probability 0; guard against rounding
-            residual = p[i]
-        return i, _draw(residual / residual.sum(), generator)
-    return len(drafts), _draw(p[len(drafts)], generator)
+    q (k, V) the drafter's; drafts the k drafted ids. Returns (n accepted, the token that follows them).
+
+    All on the device, one read back per round: the k uniforms are drawn at once, and a follow-up token is
+    drawn for every possible n (the residual after a rejection at row i, or the bonus from p[k]); the
+    first rejection picks n and with it the token."""
+    k = len(drafts)
+    rows = torch.arange(k, device=p.device)
+    ids = torch.tensor(drafts, dtype=torch.long, device=p.device)
+    ratio = p[rows, ids] / q[rows, ids]  # (k,); q[i, d] > 0: d was drawn from q[i]
+    accepted = torch.rand(k, generator=generator, device=p.device) < ratio  # (k,)
+    n_accepted = accepted.long().cumprod(dim=0).sum()  # the run of acceptances before the first rejection
+    residual = (p[:k] - q).clamp(min=0)  # (k, V); the race normalises, so no division
+    # p == q: a rejection has probability 0, but rounding may still make one; draw from p then
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p[:k])
+    follow_ups = draw_from_probs(torch.cat([residual, p[k:]]), generator)  # (k + 1,)
+    n, token = torch.stack([n_accepted, follow_ups[n_accepted]]).tolist()  # the round's one host read
+    return n, token
 
 
 def lookup_drafts(tokens: list[int], k: int, max_ngram: int = 3) -> list[int]:
@@ -106,20 +103,21 @@ class _ModelDrafter:
         self.pending = [int(prompt[0, -1])]
 
     def propose(self, k: int, params: SamplingParams, generator) -> tuple[list[int], torch.Tensor]:
-        """Draft k tokens; returns them and q (k, V). The cache then lacks only the last draft."""
-        logits = self._next_logits(self.pending)
+        """Draft k tokens; returns them and q (k, V). The cache then lacks only the last draft.
+        Each draft is fed back as a device tensor: the k ids are read back once, at the end."""
+        logits = self._next_logits(torch.tensor([self.pending], device=self.cache.k.device))
         drafts, q_rows = [], []
         for i in range(k):
-            q = token_probs(logits, params)[0]  # (V,)
-            drafts.append(_draw(q, generator))
+            q = token_probs(logits, params)  # (1, V)
+            drafts.append(draw_from_probs(q, generator))  # (1,)
             q_rows.append(q)
             if i < k - 1:
-                logits = self._next_logits(drafts[-1:])
-        return drafts, torch.stack(q_rows)
+                logits = self._next_logits(drafts[-1][:, None])
+        return torch.cat(drafts).tolist(), torch.cat(q_rows)  # (k,) ids, (k, V)
 
-    def _next_logits(self, ids: list[int]) -> torch.Tensor:
-        idx = torch.tensor([ids], device=self.cache.k.device)  # (1, len(ids))
-        return self.model(idx, cache=self.cache, check=False)[0][:, -1]  # (1, V)
+    def _next_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx (1, n) -> the logits after its last token (1, V)."""
+        return self.model(idx, cache=self.cache, check=False)[0][:, -1]
 
     def commit(self, drafts: list[int], n_accepted: int, next_token: int) -> None:
         if n_accepted == len(drafts):  # the last draft was never fed to the draft model

@@ -26,19 +26,16 @@ from collections.abc import Callable
 
 import torch
 
-from .config import TransformerConfig
-from .kv_cache import Attend
+from .kv_cache import Attend, SlabCache
 
 
-class StaticCache:
+class StaticCache(SlabCache):
     """Fixed (B, Hkv, max_len, D) slabs per layer; one prefill, then single-token steps at `input_pos`."""
 
     def __init__(self, n_layer: int, batch_size: int, max_len: int, n_kv_heads: int, d_head: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        for name, value in (("n_layer", n_layer), ("batch_size", batch_size), ("max_len", max_len),
-                            ("n_kv_heads", n_kv_heads), ("d_head", d_head)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+        self.check_sizes(n_layer=n_layer, batch_size=batch_size, max_len=max_len, n_kv_heads=n_kv_heads,
+                         d_head=d_head)
         shape = (batch_size, n_kv_heads, max_len, d_head)
         # One tensor per layer, not one (n_layer, ...) tensor sliced by layer: inductor writes a token in
         # place into a tensor the graph receives, but a write into a VIEW of one (k[layer]) it turned into
@@ -56,14 +53,6 @@ class StaticCache:
         if torch.device(device).type == "cuda":  # CUDA graphs replay fixed addresses: say these never move
             for t in (*self.k, *self.v, self.key_padding_mask, self.next_position, self.input_pos, self.slots):
                 torch._dynamo.mark_static_address(t)
-
-    @classmethod
-    def for_model(cls, cfg: TransformerConfig, batch_size: int, max_len: int | None = None, *,
-                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> StaticCache:
-        max_len = cfg.max_seq_len if max_len is None else max_len
-        if max_len > cfg.max_seq_len:
-            raise ValueError(f"max_len={max_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
-        return cls(cfg.n_layer, batch_size, max_len, cfg.n_kv_heads, cfg.d_head, dtype=dtype, device=device)
 
     @property
     def max_len(self) -> int:

@@ -130,7 +130,7 @@ def estimate_loss(model, splits: dict, cfg: TrainConfig, block_size: int, device
         for _ in range(cfg.eval_batches):
             x, y = get_batch(data, cfg.batch_size, block_size, generator)
             with amp():
-                total += model(x.to(device), y.to(device))[1].item()
+                total += model(x.to(device), y.to(device), check=False)[1].item()
         out[name] = total / cfg.eval_batches
     model.train()
     return out
@@ -180,6 +180,8 @@ def train(cfg: TrainConfig, model_cfg: TransformerConfig | dict | None = None, *
     A new run refuses an out_dir that already holds one unless `overwrite=True`."""
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
+    if cfg.fsdp and (int(os.environ.get("WORLD_SIZE", "1")) < 2 or cfg.compile):
+        raise ValueError("fsdp=True needs torchrun with at least 2 processes (WORLD_SIZE >= 2) and no compile")
     rank, world_size, device = _setup_distributed(cfg)
     try:
         ckpt = None if resume is None else find_checkpoint(resume)  # verified against its manifest
@@ -230,18 +232,24 @@ class _Run:
                          rank=self.rank, world_size=self.world_size)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)  # (B, T), (B, T)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, optimizer_state: dict | None = None) -> dict:
         cuda = self.device.type == "cuda"
         return {
             "step": self.step, "best_val_loss": self.best_val, "losses": self.losses, "evals": self.evals,
-            "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+            "optimizer": self.optimizer.state_dict() if optimizer_state is None else optimizer_state,
+            "scaler": self.scaler.state_dict(),
             "batch_rng": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(self.device) if cuda else None,
             "train_config": self.cfg.to_dict(), "data_name": self.data_name, "world_size": self.world_size,
         }
 
     def restore(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.cfg.fsdp:  # a single-process-format state: every rank keeps its shard of it
+            from .parallel import fsdp
+
+            fsdp.load_optimizer_state(self.raw_model, self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         self.generator.set_state(state["batch_rng"])
         torch.set_rng_state(state["torch_rng"])
@@ -251,16 +259,23 @@ class _Run:
         self.losses, self.evals = list(state["losses"]), [list(e) for e in state["evals"]]
 
     def evaluate_and_save(self, bar) -> None:
+        model, optimizer_state = self.raw_model, None
+        if self.cfg.fsdp:  # every rank sends its shards; rank 0 evaluates and saves a plain model
+            from .parallel import fsdp
+
+            model, optimizer_state = fsdp.gather_full_state(self.raw_model, self.optimizer)
+            if self.rank != 0:
+                return
         splits = {"train": self.train_data, "val": self.val_data}
-        result = estimate_loss(self.raw_model, splits, self.cfg, self.block_size, self.device, self.amp)
+        result = estimate_loss(model, splits, self.cfg, self.block_size, self.device, self.amp)
         self.evals.append([self.step, result["train"], result["val"]])
         if self.cfg.progress:
             bar.write(f"step {self.step}: train loss {result['train']:.4f}, val loss {result['val']:.4f}")
         out_dir = Path(self.cfg.out_dir)
         if result["val"] < self.best_val:
             self.best_val = result["val"]
-            save_checkpoint(out_dir / "best", self.raw_model, self.tokenizer, self.state_dict())
-        save_checkpoint(out_dir / "last", self.raw_model, self.tokenizer, self.state_dict())
+            save_checkpoint(out_dir / "best", model, self.tokenizer, self.state_dict(optimizer_state))
+        save_checkpoint(out_dir / "last", model, self.tokenizer, self.state_dict(optimizer_state))
 
     def diverged(self, loss_value: float, lr: float) -> TrainingDiverged:
         kept = Path(self.cfg.out_dir) / "last"
@@ -281,6 +296,10 @@ def _start(cfg: TrainConfig, model_cfg, ckpt: Path | None, rank: int, world_size
     ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
     train_data, val_data = split_tokens(ids, block_size)
     model.to(device)
+    if cfg.fsdp:  # before the optimizer, which must see (and keep state for) the shards only
+        from .parallel.fsdp import shard_for_training
+
+        shard_for_training(model)
     amp_dtype = autocast_dtype(cfg.precision, device)
     run = _Run(cfg, model, model, tokenizer, text, state["data_name"], train_data, val_data, block_size,
                make_optimizer(model, cfg), torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16),
@@ -289,7 +308,7 @@ def _start(cfg: TrainConfig, model_cfg, ckpt: Path | None, rank: int, world_size
         run.restore(state)
     if cfg.compile:
         run.model = torch.compile(run.model)
-    if world_size > 1:
+    if world_size > 1 and not cfg.fsdp:
         from torch.nn.parallel import DistributedDataParallel
 
         run.model = DistributedDataParallel(run.model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -317,10 +336,14 @@ def _train(run: _Run) -> TrainResult:
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", refresh=False,
                         tok_s=f"{run.tokens_per_step / run.step_times[-1]:.0f}")
-        if master and (run.step % cfg.eval_interval == 0 or run.step == cfg.max_steps):
+        if (master or cfg.fsdp) and (run.step % cfg.eval_interval == 0 or run.step == cfg.max_steps):
             run.evaluate_and_save(bar)
     bar.close()
     out_dir = Path(cfg.out_dir)
+    if cfg.fsdp:  # a plain model for the samples and the result (rank 0); the others keep their shards
+        from .parallel.fsdp import gather_full_model
+
+        run.raw_model = gather_full_model(run.raw_model) or run.raw_model
     if master:
         finish_run(cfg, run.raw_model, run.tokenizer, run.text, run.losses, run.evals, out_dir, run.device)
     return TrainResult(run.raw_model, run.tokenizer, run.step, run.best_val, run.losses, run.evals,
@@ -333,10 +356,10 @@ def _forward_backward(model, next_batch, cfg: TrainConfig, amp, scaler, world_si
     for micro in range(cfg.grad_accum_steps):
         x, y = next_batch()
         last_micro = micro == cfg.grad_accum_steps - 1
-        sync = model.no_sync() if world_size > 1 and not last_micro else contextlib.nullcontext()
-        with sync:  # DDP averages gradients across ranks only on the last micro-batch
+        sync = model.no_sync() if world_size > 1 and not last_micro and hasattr(model, "no_sync") else None
+        with sync or contextlib.nullcontext():  # DDP averages gradients only on the last micro-batch (FSDP: each)
             with amp():
-                _, loss = model(x, y)
+                _, loss = model(x, y, check=False)  # the data loader's ids are in range by construction
             loss = loss / cfg.grad_accum_steps  # the update uses the MEAN over all micro-batches
             scaler.scale(loss).backward()
         loss_sum = loss_sum + loss.detach()

@@ -46,6 +46,7 @@ class TrainConfig(DictIO):
     num_samples: int = 2  # texts sampled at the end
     sample_tokens: int = 300
     progress: bool = True
+    fsdp: bool = False  # under torchrun: FSDP2 shards weights, grads and AdamW state (parallel/fsdp.py), not DDP
 
     def __post_init__(self) -> None:
         _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
@@ -77,7 +78,7 @@ class TrainConfig(DictIO):
                 f"warmup_steps={self.warmup_steps} must be smaller than lr_decay_steps (or max_steps)="
                 f"{self.decay_steps}"
             )
-        for name in ("compile", "fused_optimizer", "progress"):
+        for name in ("compile", "fused_optimizer", "progress", "fsdp"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
         for name in ("device", "out_dir"):

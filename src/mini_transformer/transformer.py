@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .attention import get_backend
 from .checkpoint import read_checkpoint, write_checkpoint
@@ -14,6 +15,7 @@ from .config import TransformerConfig
 from .kv_cache import Cache, KVCache, NoCache
 from .layers import RMSNorm, make_ffn, make_norm
 from .moe import moe_aux_loss
+from .quantize import save_quantized
 from .rope import RotaryEmbedding, apply_rope, sinusoidal_table
 
 
@@ -165,22 +167,29 @@ class TransformerLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() counts a tied tensor once
 
-    def forward(self, idx, targets=None, *, attention_mask=None, cache: Cache | None = None, check: bool = True):
+    def forward(self, idx, targets=None, *, attention_mask=None, cache: Cache | None = None,
+                logits_at: torch.Tensor | None = None, check: bool = True):
         """idx (B, T) token ids; targets (B, T) next-token ids, -100 = ignored; attention_mask (B, T),
         1 = real token (left padding; with a cache it covers the new tokens only); cache: a `KVCache`
         to read and extend. Returns (logits (B, T, V), loss or None).
 
+        logits_at (K,) int: compute logits only at these positions of T (then (B, K, V)). Generating
+        reads one row per sequence, and the head over the whole vocabulary is the costliest layer.
+
         `check=False` skips the input checks: for callers that checked once already (generate, the
         engine, training), since checking token ids reads them back from the device."""
         if check and not torch.compiler.is_compiling():  # reading values would split a compiled graph
-            self.check_inputs(idx, targets, attention_mask, cache)
+            self.check_inputs(idx, targets, attention_mask, cache, logits_at)
         cache = NoCache() if cache is None else cache
         positions = cache.begin(idx, attention_mask)  # (B, T): left padding does not count
         x = self.emb_drop(self.embed(idx, positions))  # (B, T, C)
         rope = self.rope.cos_sin(positions, x.dtype) if self.rope is not None else None  # (B, 1, T, D) x 2
+        recompute = self.config.activation_checkpointing and torch.is_grad_enabled()  # keep block inputs only
         for block in self.blocks:
-            x = block(x, cache, rope)
-        logits = self.lm_head(self.norm_f(x))  # (B, T, V)
+            x = checkpoint(block, x, cache, rope, use_reentrant=False) if recompute else block(x, cache, rope)
+        if logits_at is not None:
+            x = x[:, logits_at]  # (B, K, C): only the positions whose next token someone will pick
+        logits = self.lm_head(self.norm_f(x))  # (B, T or K, V)
         loss = None if targets is None else lm_loss(logits, targets)
         if loss is not None and self.training and self.config.ffn == "moe" and self.config.moe_aux_loss_coef > 0:
             loss = loss + self.config.moe_aux_loss_coef * moe_aux_loss(self, attention_mask)  # training only
@@ -195,10 +204,17 @@ class TransformerLM(nn.Module):
             x = x + self.sinusoid[positions]
         return x
 
-    def check_inputs(self, idx, targets=None, attention_mask=None, cache=None) -> None:
+    def check_inputs(self, idx, targets=None, attention_mask=None, cache=None, logits_at=None) -> None:
         """The door of `forward`: raise ValueError/TypeError naming the first bad argument."""
         cfg = self.config
         B, T = check_token_ids(idx, cfg.vocab_size)
+        if logits_at is not None:
+            if not isinstance(logits_at, torch.Tensor) or logits_at.dim() != 1 or logits_at.is_floating_point():
+                raise ValueError(f"logits_at must be a 1-D integer tensor of positions, got {logits_at!r}")
+            if targets is not None:
+                raise ValueError("logits_at and targets do not go together: the loss needs every position's logits")
+            if logits_at.numel() and not -T <= int(logits_at.min()) <= int(logits_at.max()) < T:
+                raise ValueError(f"logits_at holds positions outside [-{T}, {T}) (T={T})")
         past = cache.length if isinstance(cache, KVCache) else 0
         if past + T > cfg.max_seq_len:
             raise ValueError(
@@ -228,5 +244,9 @@ class TransformerLM(nn.Module):
         return read_checkpoint(path, cls, **overrides).to(device).eval()
 
     def save_pretrained(self, path) -> None:
-        """Write `config.json`, `model.safetensors` and `manifest.json` (their sha256) to the directory `path`."""
-        write_checkpoint(path, self.config, self.state_dict())
+        """Write `config.json`, `model.safetensors` and `manifest.json` (their sha256) to the directory `path`;
+        a quantized model also writes `quantization.json` (quantize.save_quantized)."""
+        if getattr(self, "quantization", None):
+            save_quantized(self, path)
+        else:
+            write_checkpoint(path, self.config, self.state_dict())

@@ -10,6 +10,7 @@ pytest.importorskip("mini_transformer.parallel.tp", reason="parallelism (docs/10
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
 from mini_transformer.parallel import tp  # noqa: E402
 
 

@@ -84,8 +84,9 @@ class ModelRunner:
         )
         idx = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # (1, N)
         batch = PagedBatch(self.kv_cache, torch.tensor([positions], device=self.device), meta)
-        logits, _ = self.model(idx, cache=batch, check=False)  # (1, N, V)
-        next_ids = self.sample(logits[0, last_rows], samplers).tolist() if samplers else []  # the one host read
+        rows = torch.tensor(last_rows, dtype=torch.long, device=idx.device)
+        logits, _ = self.model(idx, cache=batch, logits_at=rows, check=False)  # (1, M, V): sampled rows only
+        next_ids = self.sample(logits[0], samplers).tolist() if samplers else []  # the one host read
         tokens = iter(next_ids)
         return [next(tokens) if seq.num_computed_tokens + n == seq.num_tokens else None for seq, n in scheduled]
 
