@@ -32,6 +32,7 @@ from .state import engine_counts, engine_state
 
 STATE_INTERVAL_S = 0.1  # the engine state snapshot is rebuilt at most this often while busy
 RATE_WINDOW_S = 2.0  # tokens/s is measured over this trailing window
+ERROR_PAUSE_S = 0.05  # after an unexpected error: a fault that repeats every turn must not spin a core
 
 
 @dataclass
@@ -158,6 +159,7 @@ class EngineLoop:
                     self._turn()
                 except Exception as err:  # a bug anywhere in a turn must not leave a request waiting forever
                     self._fail_everything(ErrorResponse(500, f"engine loop failed: {type(err).__name__}: {err}"))
+                    self._stop.wait(ERROR_PAUSE_S)
         finally:  # stopping, or the error handling itself broke: nobody may wait on a dead thread
             self._fail_everything(ErrorResponse(503, "the server is shutting down", code="server_shutting_down"))
 
