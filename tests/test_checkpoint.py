@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from support import edit_files
 
 from mini_transformer import TransformerConfig, TransformerLM
 from mini_transformer.checkpoint import CheckpointError, clean_state_dict, load_state_into, write_checkpoint
@@ -148,19 +149,6 @@ def test_gpt2_without_prefix_and_with_old_mask_buffers(tmp_path):
 
 
 # ---- error paths ---------------------------------------------------------------------------------
-
-
-def edit_files(path, hf_model, *, config=None, state=None):
-    """Save `hf_model` to `path`, then let `config(dict)` / `state(dict)` edit what was written."""
-    hf_model.save_pretrained(path)
-    if config is not None:
-        raw = json.loads((path / "config.json").read_text())
-        config(raw)
-        (path / "config.json").write_text(json.dumps(raw))
-    if state is not None:
-        tensors = load_file(str(path / "model.safetensors"))
-        state(tensors)
-        save_file(tensors, str(path / "model.safetensors"))
 
 
 def test_missing_tensor_is_named(tmp_path):

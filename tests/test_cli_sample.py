@@ -4,25 +4,17 @@ import io
 
 import pytest
 import torch
+from support import TEXT, save_char_checkpoint
 
-from mini_transformer import TransformerConfig, TransformerLM, generate
+from mini_transformer import generate
 from mini_transformer.cli import _TextStream, main
 from mini_transformer.generate import generate_long
-from mini_transformer.tokenizer import BPETokenizer, CharTokenizer
-
-TEXT = "the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs!"
+from mini_transformer.tokenizer import BPETokenizer
 
 
 @pytest.fixture(scope="module")
 def char_checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("char")
-    tokenizer = CharTokenizer.train(TEXT)
-    cfg = TransformerConfig.from_preset("tiny", vocab_size=tokenizer.vocab_size, max_seq_len=48, init_std=0.3)
-    torch.manual_seed(0)
-    model = TransformerLM(cfg)
-    model.save_pretrained(path)
-    tokenizer.save(path)
-    return path, model.eval(), tokenizer
+    return save_char_checkpoint(tmp_path_factory.mktemp("char"), max_seq_len=48)
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,10 @@ class built from a tiny random config (no download), padded batches included; ou
 trip; greedy generation of an imported Mixtral equal to HF's token for token; the config switches each
 family maps to; and the errors for what we do not support. Run with -s for the "[parity] ..." lines."""
 
-import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from support import edit_files
 
 from mini_transformer import TransformerLM, generate
 from mini_transformer.moe import MoE, load_balancing_loss
@@ -149,19 +148,6 @@ def test_imported_mixtral_trains_with_the_aux_loss(tmp_path):
 # ---- what is refused, with the field named --------------------------------------------------------
 
 
-def write_and_edit(path, case, *, config=None, state=None):
-    kind, values, _ = CASES[case]
-    hf_model(kind, values).save_pretrained(path)
-    if config is not None:
-        raw = json.loads((path / "config.json").read_text())
-        config(raw)
-        (path / "config.json").write_text(json.dumps(raw))
-    if state is not None:
-        tensors = load_file(str(path / "model.safetensors"))
-        state(tensors)
-        save_file(tensors, str(path / "model.safetensors"))
-
-
 @pytest.mark.parametrize("case, edit, message", [
     ("qwen3-moe norm_topk_prob", lambda c: c.update(mlp_only_layers=[1]), r"mlp_only_layers=\[1\]"),
     ("qwen3-moe norm_topk_prob", lambda c: c.update(decoder_sparse_step=2), "decoder_sparse_step=2"),
@@ -189,3 +175,8 @@ def test_qwen_sliding_window_counts_only_when_switched_on(tmp_path):
     write_and_edit(tmp_path, "qwen2 q/k/v biases, tied",
                    config=lambda c: c.update(sliding_window=8, use_sliding_window=True))
     assert TransformerLM.from_pretrained(tmp_path).config.max_seq_len == 8
+
+
+def write_and_edit(path, case, *, config=None, state=None):
+    kind, values, _ = CASES[case]
+    edit_files(path, hf_model(kind, values), config=config, state=state)

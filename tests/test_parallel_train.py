@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from support import assert_same_weights
 
 from mini_transformer import TransformerConfig, TransformerLM
 from mini_transformer.cli import main
@@ -37,19 +38,6 @@ def fsdp_ten_steps_then_resume_to_twenty(rank: int, world_size: int, corpus, out
     assert code == 0, f"first run exited with {code}"
     os.environ["MASTER_PORT"] = str(resume_port)  # a fresh rendezvous for the second process group
     assert main(["train", "--resume", out, "--fsdp", "--max-steps", "20"]) == 0
-
-
-def assert_same_weights(model, reference) -> None:
-    """fp32 tolerance; the key bias is left out (its true gradient is zero, see tests/test_train.py)."""
-    cfg = reference.config
-    q_rows, k_rows = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
-    for name, tensor in reference.state_dict().items():
-        other = model.state_dict()[name]
-        if name.endswith("W_qkv.bias"):
-            keep = torch.ones(len(tensor), dtype=torch.bool)
-            keep[q_rows: q_rows + k_rows] = False
-            tensor, other = tensor[keep], other[keep]
-        torch.testing.assert_close(other, tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_fsdp_two_ranks_equal_one_process_and_resume_exactly(corpus, tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from support import assert_same_weights
 
 from mini_transformer import TransformerConfig, TransformerLM
 from mini_transformer import train as train_module
@@ -45,21 +46,6 @@ def model_config(**changes) -> TransformerConfig:
 
 def weights(model) -> dict:
     return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def assert_same_weights(model, reference) -> None:
-    """Equal within fp32 tolerance, leaving out the key bias: softmax ignores a shift shared by a whole row
-    of scores, so its true gradient is exactly zero and it receives only rounding noise, which Adam
-    (dividing by sqrt(v)) turns into lr-sized steps that depend on the summation order."""
-    cfg = reference.config
-    q_rows, k_rows = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
-    for name, tensor in reference.state_dict().items():
-        other = model.state_dict()[name]
-        if name.endswith("W_qkv.bias"):
-            keep = torch.ones(len(tensor), dtype=torch.bool)
-            keep[q_rows : q_rows + k_rows] = False
-            tensor, other = tensor[keep], other[keep]
-        torch.testing.assert_close(other, tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 # ------------------------------------------------------------------------------ schedule, optimizer

@@ -1,0 +1,52 @@
+"""Helpers several test files share (tests/ is on sys.path under pytest, as for server_support.py)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mini_transformer import TransformerConfig, TransformerLM
+from mini_transformer.tokenizer import CharTokenizer
+
+TEXT = "the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs!"
+
+
+def save_char_checkpoint(path, max_seq_len: int):
+    """A tiny seeded model over TEXT's characters, saved with its tokenizer: (path, model in eval, tokenizer)."""
+    tokenizer = CharTokenizer.train(TEXT)
+    cfg = TransformerConfig.from_preset("tiny", vocab_size=tokenizer.vocab_size, max_seq_len=max_seq_len, init_std=0.3)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    model.save_pretrained(path)
+    tokenizer.save(path)
+    return path, model.eval(), tokenizer
+
+
+def edit_files(path, hf_model, *, config=None, state=None):
+    """Save `hf_model` to `path`, then let `config(dict)` / `state(dict)` edit what was written."""
+    hf_model.save_pretrained(path)
+    if config is not None:
+        raw = json.loads((path / "config.json").read_text())
+        config(raw)
+        (path / "config.json").write_text(json.dumps(raw))
+    if state is not None:
+        tensors = load_file(str(path / "model.safetensors"))
+        state(tensors)
+        save_file(tensors, str(path / "model.safetensors"))
+
+
+def assert_same_weights(model, reference) -> None:
+    """Equal within fp32 tolerance, leaving out the key bias: softmax ignores a shift shared by a whole row
+    of scores, so its true gradient is exactly zero and it receives only rounding noise, which Adam
+    (dividing by sqrt(v)) turns into lr-sized steps that depend on the summation order."""
+    cfg = reference.config
+    q_rows, k_rows = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+    for name, tensor in reference.state_dict().items():
+        other = model.state_dict()[name]
+        if name.endswith("W_qkv.bias"):
+            keep = torch.ones(len(tensor), dtype=torch.bool)
+            keep[q_rows : q_rows + k_rows] = False
+            tensor, other = tensor[keep], other[keep]
+        torch.testing.assert_close(other, tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
