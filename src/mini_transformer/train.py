@@ -12,6 +12,7 @@ manifest.json (the sha256 of each file, checked whenever the checkpoint is loade
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import time
@@ -183,15 +184,30 @@ def train(cfg: TrainConfig, model_cfg: TransformerConfig | dict | None = None, *
     if cfg.fsdp and (int(os.environ.get("WORLD_SIZE", "1")) < 2 or cfg.compile):
         raise ValueError("fsdp=True needs torchrun with at least 2 processes (WORLD_SIZE >= 2) and no compile")
     rank, world_size, device = _setup_distributed(cfg)
+    finished = False
     try:
         ckpt = None if resume is None else find_checkpoint(resume)  # verified against its manifest
         if rank == 0:  # a resumed run may write only into its own directory, unless told to replace another
             other_run = ckpt is None or Path(cfg.out_dir).resolve() != ckpt.parent.resolve()
             prepare_out_dir(cfg.out_dir, fresh=other_run, overwrite=overwrite)
-        return _train(_start(cfg, model_cfg, ckpt, rank, world_size, device))
+        result = _train(_start(cfg, model_cfg, ckpt, rank, world_size, device))
+        finished = True
+        return result
     finally:
         if world_size > 1:
-            dist.destroy_process_group()
+            _leave_group(together=finished)
+
+
+def _leave_group(together: bool) -> None:
+    """Leave the process group. After a finished run every rank first frees its DDP wrapper (reference
+    cycles keep it, and the gloo group its reducer holds, alive until a gc) and waits for the others:
+    a rank that exited while rank 0 was still writing its last checkpoint, its group then freed during
+    interpreter shutdown, sometimes aborted in gloo ("terminate called without an active exception").
+    After an error there is no barrier: the other ranks may never arrive."""
+    if together:
+        gc.collect()
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 @dataclass
