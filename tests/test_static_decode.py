@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mini_transformer import KVCache, TransformerConfig, TransformerLM, generate
-from mini_transformer.static_cache import StaticCache
+from mini_transformer.static_cache import StaticCache, _one_row_addmm, _one_row_mm
 
 VOCAB = 40
 
@@ -171,6 +171,37 @@ def test_compiled_padding_does_not_change_a_row(compiled_setup):
     alone = generate(model, idx[:1, 3:], 20)  # the padded row's 2 real tokens, unpadded, eager
     batch = generate(model, idx, N_NEW, attention_mask=mask, compile=True)
     assert torch.equal(batch[:1, :20], alone)
+
+
+@settings(max_examples=10, deadline=None)
+@given(k=st.integers(1, 70), n=st.integers(1, 70), rows=st.integers(1, 3),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+def test_one_row_matmuls_become_a_reduction_with_aten_s_numbers(k, n, rows, dtype):
+    """The CPU decode backend's decompositions: one row (float32/64) -> multiply + sum, equal to float64
+    addmm / mm within float32 rounding; more rows or another dtype -> NotImplemented (aten's kernel)."""
+    x, w, b = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype), torch.randn(n, dtype=dtype)
+    got_addmm, got_mm = _one_row_addmm(b, x, w.t()), _one_row_mm(x, w.t())
+    if rows != 1 or dtype == torch.bfloat16:
+        assert got_addmm is NotImplemented and got_mm is NotImplemented
+        return
+    want = x.double() @ w.double().t()  # (1, N)
+    tol = dict(rtol=0, atol=1e-5 * k) if dtype == torch.float32 else dict(rtol=0, atol=1e-12 * k)
+    torch.testing.assert_close(got_mm.double(), want, **tol)
+    torch.testing.assert_close(got_addmm.double(), want + b.double(), **tol)
+    assert _one_row_addmm(b, x, w.t(), beta=2) is NotImplemented
+
+
+def test_compiled_batch_of_one_runs_its_matmuls_as_reductions(compiled_setup):
+    """Batch 1 (the bandwidth-bound case): the compiled step's C++ has no aten matmul left (each linear
+    is inductor's fused multiply-and-sum), and its 200 greedy tokens equal the eager path's."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = compiled_setup
+    idx = torch.randint(0, VOCAB, (1, 5))
+    got, code = run_and_get_code(generate, model, idx, N_NEW, compile=True)
+    assert code, "the batch-1 step was not compiled here"
+    assert not any("extern_kernels.addmm" in c or "extern_kernels.mm" in c for c in code)
+    assert torch.equal(got, generate(model, idx, N_NEW))
 
 
 def test_sample_cli_compile_flag_reaches_generate(tmp_path, capsys, monkeypatch):
