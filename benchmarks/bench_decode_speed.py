@@ -6,6 +6,8 @@ per weight: the ceiling is  memory bandwidth / bytes read per token.  This scrip
 
   speed (random weights, GPT-2 layout; identical weights in Hugging Face and ours)
     hf        transformers' GPT2LMHeadModel.generate(do_sample=False)
+    hf-static the same with cache_implementation="static" and its forward compiled (transformers' own
+              CompileConfig: mode="reduce-overhead", CUDA graphs, on cuda; inductor's default on the CPU)
     eager     our generate(): prefill, then one eager step per token from the KV cache
     compiled  generate(compile=True): StaticCache + a decode step compiled once
     int8      quantize(model, "int8"), compiled      int4  quantize(model, "int4", group 64), compiled
@@ -18,6 +20,9 @@ per weight: the ceiling is  memory bandwidth / bytes read per token.  This scrip
     python benchmarks/bench_decode_speed.py --data /work/shared/data/tinyshakespeare.txt --plot roofline.png
     python benchmarks/bench_decode_speed.py --parts speed --models char --new-tokens 128
     python benchmarks/bench_decode_speed.py --parts tricks --trained out/bench-decode   # trains once, then reuses
+    python benchmarks/bench_decode_speed.py --device cuda --quick     # the GPU check: char model, speed only
+On --device cuda every timed run ends with torch.cuda.synchronize(), the bandwidth is the GPU's (a copy and
+a sum of 256 MB on the device), and our compiled step is a CUDA graph (mode="reduce-overhead").
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ from mini_transformer.quantize import Int4Linear, Int8Linear, quantize
 from mini_transformer.speculative import SpeculativeStats, speculative_generate
 from mini_transformer.static_cache import static_length
 
-SPEED_METHODS = ("hf", "eager", "compiled", "int8", "int4")
+SPEED_METHODS = ("hf", "hf-static", "eager", "compiled", "int8", "int4")
+COMPILED_METHODS = ("hf-static", "compiled", "int8", "int4")  # warmed up at the timed length: one static graph
 MODELS = {  # name -> GPT-2 layout (n_layer, n_heads, d_model, vocab)
     "char": (6, 6, 384, 65),
     "gpt2": (12, 12, 768, 50257),
@@ -68,23 +74,38 @@ def parse_args(argv=None):
     p.add_argument("--plot", metavar="PNG", help="write the roofline plot (bytes/token vs tokens/s) here")
     p.add_argument("--profile", nargs="+", choices=SPEED_METHODS, default=[],
                    help="after timing, profile one run of these methods (torch.profiler) and print the top ops")
-    return p.parse_args(argv)
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run (the GPU check's): speed only, char model, 128 new tokens, 2 repeats, no int4")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.parts, args.models, args.new_tokens, args.repeats = ["speed"], ["char"], 128, 2
+        args.methods = [m for m in args.methods if m != "int4"]
+    return args
+
+
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work, so a timer read after it sees the whole run (no-op on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 # ------------------------------------------------------------------------------------ the roofline
-def measure_bandwidth(mbytes: int = 256, repeats: int = 5) -> tuple[float, float]:
-    """(copy, read) bytes per second over a 256 MB tensor, each the best of `repeats`, at the current
-    thread count. copy = dst.copy_(src), counted as read + write; read = src.sum(), reading only, as a
-    decode step reads its weights. The ceiling uses the read figure (a copy also pays for its writes)."""
-    src = torch.ones(mbytes * 2**20 // 4)
+def measure_bandwidth(device: str = "cpu", mbytes: int = 256, repeats: int = 5) -> tuple[float, float]:
+    """(copy, read) bytes per second over a 256 MB tensor on `device`, each the best of `repeats`, at the
+    current thread count. copy = dst.copy_(src), counted as read + write; read = src.sum(), reading only,
+    as a decode step reads its weights. The ceiling uses the read figure (a copy also pays for its writes)."""
+    src = torch.ones(mbytes * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
     best_copy = best_read = float("inf")
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
+        synchronize(device)
         best_copy = min(best_copy, time.perf_counter() - start)
         start = time.perf_counter()
         src.sum()
+        synchronize(device)
         best_read = min(best_read, time.perf_counter() - start)
     return 2 * src.nbytes / best_copy, src.nbytes / best_read
 
@@ -118,16 +139,32 @@ def build_pair(name: str, max_len: int, device: str):
     return ours.eval(), hf
 
 
+def hf_static_options(device: str) -> dict:
+    """generate() keywords for transformers' static cache with its forward compiled (its documented way:
+    cache_implementation="static" + a CompileConfig). On cuda transformers compiles by itself, default
+    mode "reduce-overhead" (CUDA graphs); on the CPU it compiles only when the config says so
+    (`_compile_all_devices`, transformers' own flag for it), and gets inductor's default mode."""
+    from transformers import CompileConfig
+
+    on_cuda = torch.device(device).type == "cuda"
+    config = CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead" if on_cuda else "default")
+    config._compile_all_devices = True
+    return dict(cache_implementation="static", compile_config=config)
+
+
 def speed_runners(ours, hf, group_size):
     """method -> (model it runs, function of (idx, n_new))."""
-    def hf_run(idx, n):
+    static = hf_static_options(str(ours.tok_emb.weight.device))
+
+    def hf_run(idx, n, **options):
         return hf.generate(idx, attention_mask=torch.ones_like(idx), do_sample=False, max_new_tokens=n,
-                           min_new_tokens=n, pad_token_id=0, eos_token_id=None)[:, idx.shape[1]:]
+                           min_new_tokens=n, pad_token_id=0, eos_token_id=None, **options)[:, idx.shape[1]:]
 
     int8 = quantize(copy.deepcopy(ours), "int8")
     int4 = quantize(copy.deepcopy(ours), "int4", group_size=group_size)
     return {
         "hf": (ours, hf_run),
+        "hf-static": (ours, lambda idx, n: hf_run(idx, n, **static)),
         "eager": (ours, lambda idx, n: generate(ours, idx, n)),
         "compiled": (ours, lambda idx, n: generate(ours, idx, n, compile=True)),
         "int8": (int8, lambda idx, n: generate(int8, idx, n, compile=True)),
@@ -143,25 +180,28 @@ def run_speed(name: str, args, bandwidth: float) -> list[dict]:
     idx = torch.randint(1, ours.config.vocab_size, (1, T), device=args.device)
     first = {}
     for m in tqdm(runners, desc=f"{name}: warm-up and compile", unit="method"):
-        compiled = m in ("compiled", "int8", "int4")  # warm up at the timed length: the same static graph
-        first[m] = runners[m][1](idx, n_new if compiled else 8)[:, :8]
-    for m in ("hf", "compiled"):
+        first[m] = runners[m][1](idx, n_new if m in COMPILED_METHODS else 8)[:, :8]
+    for m in ("hf", "hf-static", "compiled"):
         if m in first and "eager" in first and not torch.equal(first[m], first["eager"]):
             raise SystemExit(f"{name}: {m} produced other greedy tokens than eager: {first[m]} vs {first['eager']}")
     seconds = dict.fromkeys(runners, float("inf"))
     jobs = [m for _ in range(args.repeats) for m in runners]  # methods take turns: load changes hit all
     for m in tqdm(jobs, desc=f"{name}: timed runs", unit="run"):
         with torch.inference_mode():
+            synchronize(args.device)
             start = time.perf_counter()
             runners[m][1](idx, n_new)
+            synchronize(args.device)
             seconds[m] = min(seconds[m], time.perf_counter() - start)
     for m in args.profile:
         if m in runners:
             profile_run(f"{name} {m}", lambda: runners[m][1](idx, n_new))  # noqa: B023
     rows = []
     for m, (model, _) in runners.items():
-        slots = static_length(T + n_new, ours.config.max_seq_len) if m in ("compiled", "int8", "int4") \
-            else T + n_new / 2  # a static cache reads every slot; a growing one the mean length
+        # a static cache reads every slot (ours rounds its length up to a multiple of 128, HF's is T + n_new);
+        # a growing one the mean length
+        slots = {"hf-static": T + n_new, "hf": T + n_new / 2, "eager": T + n_new / 2}.get(
+            m, static_length(T + n_new, ours.config.max_seq_len))
         read = weight_bytes(model) + slots * kv_bytes_per_slot(ours.config)
         tok_s = n_new / seconds[m]
         rows.append(dict(model=name, method=m, tok_s=tok_s, bytes=read, weights=weight_bytes(model),
@@ -173,21 +213,23 @@ def profile_run(title: str, fn, top: int = 8) -> None:
     """Where the time of one run goes: the ops with the most self CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch.inference_mode(), profile(activities=activities) as prof:
         fn()
     print(f"\nprofile: {title}")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
 
 
 def print_speed(rows: list[dict]) -> None:
-    print(f"\n{'model':>5} | {'method':>8} | {'tok/s':>8} | {'MB/token':>8} | {'weights MB':>10} | "
-          f"{'ceiling tok/s':>13} | {'share':>6} | {'x hf':>5} | {'x compiled':>10}")
+    refs = ("hf", "hf-static", "compiled")
+    print(f"\n{'model':>5} | {'method':>9} | {'tok/s':>8} | {'MB/token':>8} | {'weights MB':>10} | "
+          f"{'ceiling tok/s':>13} | {'share':>6} | {'x hf':>5} | {'x hf-static':>11} | {'x compiled':>10}")
     for row in rows:
         same = {r["method"]: r for r in rows if r["model"] == row["model"]}
-        ratio = {ref: f"{row['tok_s'] / same[ref]['tok_s']:.2f}" if ref in same else "-" for ref in ("hf", "compiled")}
-        print(f"{row['model']:>5} | {row['method']:>8} | {row['tok_s']:>8.1f} | {row['bytes'] / 1e6:>8.2f} | "
+        ratio = {ref: f"{row['tok_s'] / same[ref]['tok_s']:.2f}" if ref in same else "-" for ref in refs}
+        print(f"{row['model']:>5} | {row['method']:>9} | {row['tok_s']:>8.1f} | {row['bytes'] / 1e6:>8.2f} | "
               f"{row['weights'] / 1e6:>10.2f} | {row['ceiling']:>13.0f} | {row['share']:>6.1%} | "
-              f"{ratio['hf']:>5} | {ratio['compiled']:>10}")
+              f"{ratio['hf']:>5} | {ratio['hf-static']:>11} | {ratio['compiled']:>10}")
 
 
 def plot_roofline(rows: list[dict], bandwidth: float, path: str) -> None:
@@ -304,7 +346,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     print(f"threads {args.threads}, device {args.device}, load average {os.getloadavg()[0]:.2f}")
     if "speed" in args.parts:
-        copy_bw, bandwidth = measure_bandwidth()
+        copy_bw, bandwidth = measure_bandwidth(args.device)
         print(f"memory bandwidth, 256 MB: copy (read + write) {copy_bw / 1e9:.2f} GB/s, "
               f"read {bandwidth / 1e9:.2f} GB/s (the ceiling uses read)")
         rows = [row for name in args.models for row in run_speed(name, args, bandwidth)]

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mini_transformer import KVCache, TransformerConfig, TransformerLM, generate
-from mini_transformer.static_cache import StaticCache, _one_row_addmm, _one_row_mm
+from mini_transformer.static_cache import StaticCache, _one_query_attention, _one_row_addmm, _one_row_mm
 
 VOCAB = 40
 
@@ -191,16 +191,37 @@ def test_one_row_matmuls_become_a_reduction_with_aten_s_numbers(k, n, rows, dtyp
     assert _one_row_addmm(b, x, w.t(), beta=2) is NotImplemented
 
 
+@settings(max_examples=12, deadline=None)
+@given(B=st.integers(1, 2), heads=st.sampled_from([(4, 4), (4, 2), (4, 1)]), Tk=st.integers(1, 40),
+       mask_kind=st.sampled_from([None, "bool", "float"]), scale=st.sampled_from([None, 0.3]))
+def test_one_query_attention_equals_sdpa(B, heads, Tk, mask_kind, scale):
+    """The decomposition of aten's CPU flash attention for one query, float64, against F.sdpa (GQA by
+    enable_gqa; a bool mask, or the additive float mask sdpa turns it into); every row keeps a key."""
+    H, Hkv = heads
+    q, k, v = torch.randn(B, H, 1, 8).double(), torch.randn(B, Hkv, Tk, 8).double(), torch.randn(B, Hkv, Tk, 8).double()
+    keep = torch.rand(B, 1, 1, Tk) < 0.7
+    keep[..., -1] = True
+    additive = torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, torch.finfo(torch.float64).min)
+    mask = {None: None, "bool": keep, "float": additive}[mask_kind]
+    out, lse = _one_query_attention(q, k, v, attn_mask=mask, scale=scale)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != Hkv)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    assert lse.shape == (B, H, 1)
+    assert _one_query_attention(q.expand(B, H, 2, 8), k, v) is NotImplemented  # two queries: aten's kernel
+
+
 def test_compiled_batch_of_one_runs_its_matmuls_as_reductions(compiled_setup):
-    """Batch 1 (the bandwidth-bound case): the compiled step's C++ has no aten matmul left (each linear
-    is inductor's fused multiply-and-sum), and its 200 greedy tokens equal the eager path's."""
+    """Batch 1 (the bandwidth-bound case): the compiled step's C++ has no aten matmul or flash-attention
+    call left (each is inductor's fused multiply-and-sum), and its 200 greedy tokens equal eager's."""
     from torch._inductor.utils import run_and_get_code
 
     model = compiled_setup
     idx = torch.randint(0, VOCAB, (1, 5))
     got, code = run_and_get_code(generate, model, idx, N_NEW, compile=True)
     assert code, "the batch-1 step was not compiled here"
-    assert not any("extern_kernels.addmm" in c or "extern_kernels.mm" in c for c in code)
+    calls = ("extern_kernels.addmm(", "extern_kernels.mm(", "_scaled_dot_product_flash_attention_for_cpu.default(")
+    for aten_kernel in calls:  # calls, not the "Original ATen" comments that name the ops they replace
+        assert not any(aten_kernel in c for c in code), aten_kernel
     assert torch.equal(got, generate(model, idx, N_NEW))
 
 

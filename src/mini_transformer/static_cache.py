@@ -142,6 +142,25 @@ def _one_row_mm(mat1, mat2):
     return (mat1[:, :, None] * mat2[None]).sum(dim=1)  # (1, K, N) -> (1, N)
 
 
+def _one_query_attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """aten's CPU flash attention for ONE query row (B, H, 1, D), written as reductions inductor fuses:
+    scores = sum_d q k, softmax over the keys, out = sum_t p v. Returns (out, logsumexp) as the op does.
+    The flash kernel tiles for many queries; with one it streams K and V at a fraction of the bandwidth."""
+    B, H, L, D = query.shape
+    if L != 1 or dropout_p != 0.0 or is_causal or query.dtype not in (torch.float32, torch.float64):
+        return NotImplemented
+    Hkv, Tk = key.shape[1], key.shape[2]
+    q = query.reshape(B, Hkv, H // Hkv, 1, D)  # (B, Hkv, G, 1, D): head h reads kv head h // G, as sdpa's GQA
+    scores = (q * key[:, :, None]).sum(dim=-1) * (D ** -0.5 if scale is None else scale)  # (B, Hkv, G, Tk)
+    scores = scores.reshape(B, H, 1, Tk)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    lse = torch.logsumexp(scores, dim=-1)  # (B, H, 1)
+    p = torch.exp(scores - lse[..., None]).reshape(B, Hkv, H // Hkv, Tk, 1)  # (B, Hkv, G, Tk, 1)
+    out = (p * value[:, :, None]).sum(dim=-2)  # (B, Hkv, G, D)
+    return out.reshape(B, H, 1, D), lse
+
+
 def _cpu_decode_backend(gm, example_inputs):
     """inductor, with one-row matmuls lowered to a fused multiply-and-sum (a GEMV inductor writes in C++).
 
@@ -157,7 +176,8 @@ def _cpu_decode_backend(gm, example_inputs):
     from torch._inductor.decomposition import select_decomp_table
 
     aten = torch.ops.aten
-    table = {**select_decomp_table(), aten.addmm.default: _one_row_addmm, aten.mm.default: _one_row_mm}
+    table = {**select_decomp_table(), aten.addmm.default: _one_row_addmm, aten.mm.default: _one_row_mm,
+             aten._scaled_dot_product_flash_attention_for_cpu.default: _one_query_attention}
     with functorch_config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, config_patches={"fx_graph_cache": False}, decompositions=table)
 
