@@ -359,6 +359,15 @@ def main(argv=None) -> None:
     if "tricks" in args.parts:
         run_tricks(args)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
+    if "speed" in args.parts and "compiled" in args.methods:  # the last line: gpu_check's summary of this run
+        print("; ".join(speed_summary(rows, name) for name in args.models))
+
+
+def speed_summary(rows: list[dict], model: str) -> str:
+    same = {r["method"]: r for r in rows if r["model"] == model}
+    ours = same["compiled"]
+    ratios = "".join(f", {ours['tok_s'] / same[ref]['tok_s']:.2f}x {ref}" for ref in ("hf", "hf-static") if ref in same)
+    return f"{model} compiled {ours['tok_s']:.0f} tok/s ({ours['share']:.0%} of the ceiling{ratios})"
 
 
 if __name__ == "__main__":

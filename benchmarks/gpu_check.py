@@ -13,8 +13,10 @@ Stages, each a subprocess with its own time limit, all inside --budget seconds:
   train             a short training run with bf16 autocast and torch.compile (gpu_check_workers.py train)
   bench-decode      bench_decode.py --device cuda with every decode method it has
   cuda-tests        every other test with a cuda case (pytest tests -k cuda), if there is one
-  extras            every other benchmarks/bench_*.py that takes --device (engine, quantization, ...), on cuda
-Limits (s): 150, 60, 200, 180, 100, 120, 60 per extra; on an H200 they should take about 60, 20, 130, 90, 40.
+  extras            every other benchmarks/bench_*.py that takes --device (engine, quantization, ...), on cuda;
+                    bench_decode_speed.py --quick: ours compiled (CUDA graphs) against HF's static compiled generate
+Limits (s): 150, 60, 200, 180, 100, 120, 60 per extra (120 for bench_decode_speed.py, which compiles four
+decode graphs); on an H200 they should take about 60, 20, 130, 90, 40.
 Python: `uv sync` + `uv run` where uv exists and its torch sees the GPU; else this interpreter with
 PYTHONPATH=src (the lent machines have no network and no uv; their python3 has torch, triton and pytest).
 The folder gets the results file, one log of every stage and the plots: at most 8 files, what the device
@@ -44,6 +46,7 @@ from gpu_check_report import Stage
 ROOT = Path(__file__).resolve().parents[1]
 SKIPPED = 77
 OWN_SCRIPTS = {"bench_attention.py", "bench_decode.py", "bench_train.py"}  # bench_train: the CPU baby run
+EXTRA_LIMITS = {"bench_decode_speed.py": 120}  # seconds; any other extra gets 60
 PROBE = """import importlib.util, json, sys, torch
 info = dict(cuda=torch.cuda.is_available(), torch=torch.__version__, cuda_version=torch.version.cuda,
             python=sys.version.split()[0], xdist=importlib.util.find_spec("xdist") is not None)
@@ -192,7 +195,7 @@ def extras(ctx: Context) -> list[Stage]:
             stages.append(Stage(f"extra {script.name}", "SKIP", summary="no time left in --budget"))
             continue
         cmd = [*ctx.python, script, "--device", "cuda", *(["--quick"] if '"--quick"' in text else [])]
-        stages.append(ctx.run(f"extra {script.name}", cmd, 60, lambda rc, out: rc == 0,
+        stages.append(ctx.run(f"extra {script.name}", cmd, EXTRA_LIMITS.get(script.name, 60), lambda rc, out: rc == 0,
                               lambda out: " ".join(rep.tail(out, 1).split())[:200]))
     return stages or [Stage("extras", "SKIP", summary="no other benchmarks/bench_*.py takes --device")]
 
