@@ -185,6 +185,31 @@ def test_triton_backend_walks_the_block_tables_in_its_kernel():
         LLMEngine(model, block_size=3, num_blocks=4)
 
 
+@pytest.mark.parametrize("backend, layout", [("sdpa", "gathered"), ("triton", "block_table")])
+def test_each_step_builds_only_the_metadata_layout_its_backend_reads(monkeypatch, backend, layout):
+    from mini_transformer.attention.paged import PagedAttentionMetadata
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=32, n_heads=2, n_layer=1, d_ff=32, max_seq_len=32,
+                            attn_backend=backend)
+    model = TransformerLM(cfg).eval()
+    built, build = [], PagedAttentionMetadata.build.__func__
+
+    def spy(cls, *args, **kwargs):
+        meta = build(cls, *args, **kwargs)
+        built.append(meta.layouts)
+        return meta
+
+    monkeypatch.setattr(PagedAttentionMetadata, "build", classmethod(spy))
+    engine = LLMEngine(model, block_size=4, num_blocks=20)
+    assert engine.runner.attention_layout == layout
+    prompts = make_prompts()[:2]
+    assert engine.generate(prompts, SamplingParams(max_tokens=3), use_tqdm=False) == [alone(model, p, 3)
+                                                                                        for p in prompts]
+    assert built and set(built) == {(layout,)}
+
+
 def test_a_failing_forward_pass_ends_its_requests_and_leaves_the_engine_usable(model, monkeypatch):
     engine = LLMEngine(model, block_size=4, num_blocks=50)
     prompt = make_prompts()[3]
