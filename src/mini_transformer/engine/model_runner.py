@@ -72,6 +72,19 @@ class ModelRunner:
         shape = (2, cfg.n_layer, num_blocks * block_size, cfg.n_kv_heads, cfg.d_head)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
+    def slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """(num_tokens,) the pool slots of a sequence's tokens 0 .. num_tokens-1, on the pool's device."""
+        bs = self.block_size
+        return torch.tensor([block_table[i // bs] * bs + i % bs for i in range(num_tokens)], device=self.device)
+
+    def read_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """A copy of the K/V of a sequence's first num_tokens tokens: (2, n_layer, num_tokens, Hkv, D)."""
+        return self.kv_cache[:, :, self.slots(block_table, num_tokens)].contiguous()
+
+    def write_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
+        """Put K/V (2, n_layer, P, Hkv, D) into the slots of a sequence's tokens 0 .. P-1."""
+        self.kv_cache[:, :, self.slots(block_table, kv.shape[2])] = kv.to(self.device)
+
     def execute_model(self, scheduled: list[tuple[Sequence, int]]) -> list[int | None]:
         """One forward pass for the scheduled (sequence, num_new_tokens) pairs. Returns, per pair, the
         sampled next token, or None when the chunk does not reach the sequence's last token (its prefill

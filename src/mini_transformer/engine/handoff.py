@@ -1,0 +1,100 @@
+"""Handing a prefilled request from one engine to another (prefill/decode disaggregation).
+
+    handoff = prefill_engine.prefill_for_handoff(prompt_ids, params)   # runs the prompt, lets go of it
+    ... move handoff.kv, handoff.first_token, handoff.generator_state to the other side ...
+    request_id = decode_engine.adopt_prefilled(handoff, params)        # joins the running batch there
+
+Only the CONTENTS of the blocks travel: the two engines' block tables differ. The decode side gives the
+request blocks of its own pool, writes the prompt's K/V into their slots, counts the prompt as computed
+and appends the first token; from then on its steps decode the request as if it had prefilled it. The
+random generator's state travels too, so a seeded sampled request continues the same stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling import SamplingParams
+from .block_manager import BlockManager, blocks_for
+from .model_runner import ModelRunner
+from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """A request prefilled by one engine, as another engine needs it to go on decoding.
+
+    kv (2, n_layer, P, Hkv, D): the K/V of the P prompt tokens, k then v, in token order; None when the
+    first token already finished the request (a stop token, or max_tokens=1): nothing is left to decode.
+    generator_state: the request's random generator after the first token (None: greedy or unseeded).
+    """
+
+    prompt_token_ids: tuple[int, ...]
+    first_token: int
+    finished: bool
+    finish_reason: str | None
+    generator_state: torch.Tensor | None
+    kv: torch.Tensor | None
+
+    @property
+    def kv_bytes(self) -> int:
+        return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
+
+
+def prefill(engine, prompt_token_ids, params: SamplingParams) -> KVHandoff:
+    """LLMEngine.prefill_for_handoff's work; the caller holds the engine's lock."""
+    if engine.requests:
+        raise RuntimeError(f"prefill_for_handoff needs an engine with no other requests in flight (it has "
+                           f"{len(engine.requests)}): their outputs of the steps it runs would be lost")
+    request_id = engine.add_request(prompt_token_ids, params)
+    seq: Sequence = engine.requests[request_id]
+    first = None
+    while first is None:  # a long prompt may take several steps (chunked prefill)
+        first = next((out for out in engine.step() if out.request_id == request_id), None)
+    state = None if seq.generator is None else seq.generator.get_state()
+    kv = None
+    if not first.finished:  # a finished request has freed its blocks already
+        kv = engine.runner.read_kv(seq.block_table, seq.num_prompt_tokens)
+        engine.abort(request_id)  # its blocks return to the pool; its prefix stays in the cache
+    return KVHandoff(tuple(seq.prompt_token_ids), first.new_token_ids[0], first.finished, first.finish_reason,
+                     state, kv)
+
+
+def check_handoff(engine, handoff: KVHandoff, params: SamplingParams) -> list[int]:
+    """adopt_prefilled's door checks (beyond add_request's): the prompt as a list, or an error naming
+    what does not fit this engine."""
+    if not isinstance(handoff, KVHandoff):
+        raise TypeError(f"handoff must be a KVHandoff, got {type(handoff).__name__}")
+    prompt, stops = engine.check_request(list(handoff.prompt_token_ids), params)
+    if handoff.finished or handoff.kv is None:
+        raise ValueError("handoff.finished is True: the request ended at its first token, nothing to decode")
+    cfg, runner = engine.config, engine.runner
+    shape = (2, cfg.n_layer, len(prompt), cfg.n_kv_heads, cfg.d_head)
+    if tuple(handoff.kv.shape) != shape or handoff.kv.dtype != runner.dtype:
+        raise ValueError(f"handoff.kv has shape {tuple(handoff.kv.shape)} and dtype {handoff.kv.dtype}; this "
+                         f"engine expects {shape} of {runner.dtype}")
+    first = handoff.first_token
+    if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < cfg.vocab_size:
+        raise ValueError(f"handoff.first_token={first!r} must be a token id in [0, {cfg.vocab_size})")
+    if first in stops or params.max_tokens == 1:
+        raise ValueError(f"handoff.first_token={first} already ends the request (a stop token, or max_tokens=1)")
+    if (handoff.generator_state is None) != (params.seed is None):
+        raise ValueError("handoff.generator_state must be given exactly when params has a seed")
+    if blocks_for(len(prompt), engine.block_size) > engine.block_manager.num_free_blocks:
+        raise RuntimeError(f"the engine has no room for a {len(prompt)}-token prompt now; give it more blocks")
+    return prompt
+
+
+def adopt(seq: Sequence, handoff: KVHandoff, manager: BlockManager, runner: ModelRunner) -> None:
+    """Give a new sequence blocks of this pool holding the handed-off prompt K/V, and its first token;
+    check_handoff has seen the room. LLMEngine.adopt_prefilled then puts it in the running batch."""
+    manager.admit(seq, [])
+    allocated = manager.allocate_slots(seq, seq.num_prompt_tokens)
+    assert allocated, "check_handoff saw the room"
+    runner.write_kv(seq.block_table, handoff.kv)
+    seq.num_computed_tokens = seq.num_prompt_tokens
+    if seq.generator is not None:
+        seq.generator.set_state(handoff.generator_state)
+    seq.append_token(handoff.first_token)

@@ -1,0 +1,110 @@
+"""A prefilled request handed from one engine to another (prefill_for_handoff -> adopt_prefilled), in one
+process: the decode engine's outputs equal one LLMEngine's, token for token."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from mini_transformer import SamplingParams, TransformerConfig, TransformerLM
+from mini_transformer.engine import KVHandoff, LLMEngine
+
+VOCAB = 50
+PARAMS = {"greedy": SamplingParams(max_tokens=7),
+          "seeded": SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=5)}
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_kv_heads=2, n_layer=2, d_ff=48,
+                            max_seq_len=64, pos_emb="rope", norm="rmsnorm", ffn="swiglu", bias=False, init_std=0.3)
+    torch.manual_seed(0)
+    return TransformerLM(cfg).eval()
+
+
+def prompts():
+    gen = torch.Generator().manual_seed(2)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 13, 1, 22)]
+
+
+def disaggregated(model, params, prefill_block_size=4, decode_block_size=8, max_num_batched_tokens=512):
+    """Prefill every prompt on one engine, decode them all together on another (other block tables)."""
+    prefill = LLMEngine(model, block_size=prefill_block_size, num_blocks=40,
+                        max_num_batched_tokens=max_num_batched_tokens)
+    decode = LLMEngine(model, block_size=decode_block_size, num_blocks=120)
+    outputs, handoffs = {}, []
+    for prompt in prompts():
+        handoff = prefill.prefill_for_handoff(prompt, params)
+        handoffs.append(handoff)
+        outputs[decode.adopt_prefilled(handoff, params)] = [handoff.first_token]
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            outputs[out.request_id] += out.new_token_ids
+    assert prefill.stats()["blocks_in_use"] == 0 and decode.stats()["blocks_in_use"] == 0
+    return list(outputs.values()), handoffs
+
+
+@pytest.mark.parametrize("which", sorted(PARAMS))
+def test_handoff_equals_one_engine(model, which):
+    reference = LLMEngine(model, block_size=4, num_blocks=40).generate(prompts(), PARAMS[which], use_tqdm=False)
+    got, handoffs = disaggregated(model, PARAMS[which])
+    assert got == reference
+    cfg = model.config
+    for handoff, prompt in zip(handoffs, prompts(), strict=True):
+        assert isinstance(handoff, KVHandoff) and handoff.prompt_token_ids == tuple(prompt) and not handoff.finished
+        assert handoff.kv.shape == (2, cfg.n_layer, len(prompt), cfg.n_kv_heads, cfg.d_head)
+        assert handoff.kv_bytes == 2 * cfg.n_layer * len(prompt) * cfg.n_kv_heads * cfg.d_head * 4
+
+
+def test_handoff_after_a_chunked_prefill(model):
+    """A prompt prefilled over several steps (a budget of 4 tokens) hands over the same K/V."""
+    reference = LLMEngine(model, block_size=4, num_blocks=40).generate(prompts(), PARAMS["greedy"], use_tqdm=False)
+    got, _ = disaggregated(model, PARAMS["greedy"], prefill_block_size=2, decode_block_size=1,
+                           max_num_batched_tokens=4)
+    assert got == reference
+
+
+def test_adopted_kv_sits_in_the_decode_pool(model):
+    prefill, decode = LLMEngine(model, block_size=4, num_blocks=20), LLMEngine(model, block_size=16, num_blocks=20)
+    handoff = prefill.prefill_for_handoff(prompts()[3], PARAMS["greedy"])
+    request_id = decode.adopt_prefilled(handoff, PARAMS["greedy"], request_id="moved")
+    assert request_id == "moved"
+    view = decode.snapshot().running[0]
+    assert view.request_id == "moved" and view.computed_tokens == 22 and view.output_tokens == 1
+    assert torch.equal(decode.runner.read_kv(list(view.block_table), 22), handoff.kv)
+
+
+def test_a_request_done_at_its_first_token_hands_over_no_kv(model):
+    engine = LLMEngine(model, block_size=4, num_blocks=20)
+    handoff = engine.prefill_for_handoff(prompts()[0], SamplingParams(max_tokens=1))
+    assert handoff.finished and handoff.finish_reason == "length" and handoff.kv is None and handoff.kv_bytes == 0
+    with pytest.raises(ValueError, match="nothing to decode"):
+        LLMEngine(model, block_size=4, num_blocks=20).adopt_prefilled(handoff, SamplingParams(max_tokens=1))
+    assert engine.stats()["blocks_in_use"] == 0
+
+
+def test_bad_handoffs_are_refused_and_change_nothing(model):
+    prefill = LLMEngine(model, block_size=4, num_blocks=20)
+    params = PARAMS["greedy"]
+    handoff = prefill.prefill_for_handoff(prompts()[1], params)
+    decode = LLMEngine(model, block_size=4, num_blocks=20)
+    bad = [
+        ("a dict", TypeError, "KVHandoff"),
+        (dataclasses.replace(handoff, kv=handoff.kv[:, :, :-1]), ValueError, "shape"),
+        (dataclasses.replace(handoff, kv=handoff.kv.double()), ValueError, "dtype"),
+        (dataclasses.replace(handoff, first_token=VOCAB), ValueError, "first_token"),
+        (dataclasses.replace(handoff, generator_state=torch.zeros(3, dtype=torch.uint8)), ValueError, "seed"),
+    ]
+    for wrong, error, message in bad:
+        with pytest.raises(error, match=message):
+            decode.adopt_prefilled(wrong, params)
+    small = LLMEngine(model, block_size=4, num_blocks=5)  # room for the request's 13 + 7 - 1 tokens, once
+    small.adopt_prefilled(handoff, params)
+    with pytest.raises(RuntimeError, match="no room"):
+        small.adopt_prefilled(handoff, params)  # its 13 prompt tokens need 4 blocks; 1 is free
+    assert len(small.requests) == 1 and small.stats()["blocks_in_use"] == 4
+    assert not decode.has_unfinished_requests() and decode.stats()["blocks_in_use"] == 0
+    decode.add_request([1, 2], params)
+    with pytest.raises(RuntimeError, match="no other requests"):
+        decode.prefill_for_handoff([3, 4], params)  # the other request's outputs would be lost
+    assert list(decode.requests) == ["0"]
