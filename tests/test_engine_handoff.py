@@ -104,6 +104,9 @@ def test_bad_handoffs_are_refused_and_change_nothing(model):
         small.adopt_prefilled(handoff, params)  # its 13 prompt tokens need 4 blocks; 1 is free
     assert len(small.requests) == 1 and small.stats()["blocks_in_use"] == 4
     assert not decode.has_unfinished_requests() and decode.stats()["blocks_in_use"] == 0
+    with pytest.raises(ValueError, match="num_tokens"):
+        decode.kv_buffer(0)
+    assert decode.kv_buffer(13).shape == handoff.kv.shape and decode.kv_buffer(13).dtype == handoff.kv.dtype
     decode.add_request([1, 2], params)
     with pytest.raises(RuntimeError, match="no other requests"):
         decode.prefill_for_handoff([3, 4], params)  # the other request's outputs would be lost

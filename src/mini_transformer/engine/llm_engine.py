@@ -206,6 +206,7 @@ class LLMEngine:
         """An empty (2, n_layer, num_tokens, Hkv, D) CPU tensor of the pool's dtype: where a receiver
         puts the K/V of a handoff before adopt_prefilled."""
         cfg = self.config
+        _positive_int("num_tokens", num_tokens)
         return torch.empty(2, cfg.n_layer, num_tokens, cfg.n_kv_heads, cfg.d_head, dtype=self.runner.dtype)
 
     def adopt_prefilled(self, kv_handoff: KVHandoff, params: SamplingParams | None = None,
@@ -213,7 +214,7 @@ class LLMEngine:
         """Take over a request another engine prefilled (prefill_for_handoff there, same params): its
         prompt K/V go into blocks of this pool, its first token is appended, and it joins the running
         batch, so the next steps decode it. Returns its request id here; the first token is not
-        reported again by step()."""
+        reported again by step(). max_num_seqs does not hold it back: the caller paces what it hands over."""
         params = SamplingParams() if params is None else params
         with self._lock:
             prompt = handoff.check_handoff(self, kv_handoff, params)
