@@ -111,3 +111,25 @@ def test_bad_handoffs_are_refused_and_change_nothing(model):
     with pytest.raises(RuntimeError, match="no other requests"):
         decode.prefill_for_handoff([3, 4], params)  # the other request's outputs would be lost
     assert list(decode.requests) == ["0"]
+
+
+def test_door_checks_name_the_field_and_leave_the_engine_as_it_was(model):
+    """A seeded request's generator state must fit this engine's generator (setting a wrong one fails
+    only after the request holds blocks); kv must be a tensor; the prompt is checked like add_request's."""
+    params = PARAMS["seeded"]
+    handoff = LLMEngine(model, block_size=4, num_blocks=20).prefill_for_handoff(prompts()[1], params)
+    decode = LLMEngine(model, block_size=4, num_blocks=20)
+    bad = [
+        (dataclasses.replace(handoff, generator_state=torch.zeros(3, dtype=torch.uint8)), ValueError,
+         "generator_state is torch.uint8 \\(3,\\)"),
+        (dataclasses.replace(handoff, generator_state=handoff.generator_state.tolist()), ValueError,
+         "generator_state is list"),
+        (dataclasses.replace(handoff, kv=handoff.kv.numpy()), ValueError, "kv_handoff.kv is ndarray"),
+        (dataclasses.replace(handoff, prompt_token_ids=None), TypeError, "prompt_token_ids"),
+        (dataclasses.replace(handoff, prompt_token_ids=(VOCAB,)), ValueError, "prompt_token_ids"),
+    ]
+    for wrong, error, message in bad:
+        with pytest.raises(error, match=message):
+            decode.adopt_prefilled(wrong, params)
+        assert not decode.requests and decode.stats()["blocks_in_use"] == 0
+        assert decode.stats()["cached_blocks"] == 0

@@ -62,29 +62,44 @@ def prefill(engine, prompt_token_ids, params: SamplingParams) -> KVHandoff:
                      state, kv)
 
 
-def check_handoff(engine, handoff: KVHandoff, params: SamplingParams) -> list[int]:
-    """adopt_prefilled's door checks (beyond add_request's): the prompt as a list, or an error naming
-    what does not fit this engine."""
+def check_handoff(engine, handoff: KVHandoff, params: SamplingParams) -> tuple[list[int], tuple[int, ...]]:
+    """adopt_prefilled's door checks (add_request's, then the handoff's own): the prompt as a list and
+    the ids that stop it, or an error naming the field of `kv_handoff` that does not fit this engine."""
     if not isinstance(handoff, KVHandoff):
-        raise TypeError(f"handoff must be a KVHandoff, got {type(handoff).__name__}")
-    prompt, stops = engine.check_request(list(handoff.prompt_token_ids), params)
-    if handoff.finished or handoff.kv is None:
-        raise ValueError("handoff.finished is True: the request ended at its first token, nothing to decode")
-    cfg, runner = engine.config, engine.runner
+        raise TypeError(f"kv_handoff must be a KVHandoff, got {type(handoff).__name__}")
+    prompt, stops = engine.check_request(handoff.prompt_token_ids, params)
+    if handoff.finished:
+        raise ValueError("kv_handoff.finished is True: the request ended at its first token, nothing to decode")
+    cfg, runner, kv = engine.config, engine.runner, handoff.kv
     shape = (2, cfg.n_layer, len(prompt), cfg.n_kv_heads, cfg.d_head)
-    if tuple(handoff.kv.shape) != shape or handoff.kv.dtype != runner.dtype:
-        raise ValueError(f"handoff.kv has shape {tuple(handoff.kv.shape)} and dtype {handoff.kv.dtype}; this "
-                         f"engine expects {shape} of {runner.dtype}")
+    if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != shape or kv.dtype != runner.dtype:
+        got = f"shape {tuple(kv.shape)} and dtype {kv.dtype}" if isinstance(kv, torch.Tensor) else type(kv).__name__
+        raise ValueError(f"kv_handoff.kv is {got}; this engine expects a tensor of shape {shape} and dtype "
+                         f"{runner.dtype}")
     first = handoff.first_token
     if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < cfg.vocab_size:
-        raise ValueError(f"handoff.first_token={first!r} must be a token id in [0, {cfg.vocab_size})")
+        raise ValueError(f"kv_handoff.first_token={first!r} must be a token id in [0, {cfg.vocab_size})")
     if first in stops or params.max_tokens == 1:
-        raise ValueError(f"handoff.first_token={first} already ends the request (a stop token, or max_tokens=1)")
-    if (handoff.generator_state is None) != (params.seed is None):
-        raise ValueError("handoff.generator_state must be given exactly when params has a seed")
+        raise ValueError(f"kv_handoff.first_token={first} already ends the request (a stop token, or "
+                         "max_tokens=1)")
+    _check_generator_state(handoff.generator_state, params, runner.device)
     if blocks_for(len(prompt), engine.block_size) > engine.block_manager.num_free_blocks:
         raise RuntimeError(f"the engine has no room for a {len(prompt)}-token prompt now; give it more blocks")
-    return prompt
+    return prompt, stops
+
+
+def _check_generator_state(state, params: SamplingParams, device: torch.device) -> None:
+    """The state must fit the generator this engine makes for `params` (a CPU and a CUDA generator keep
+    states of different sizes), so that setting it cannot fail once the request holds blocks."""
+    if (state is None) != (params.seed is None):
+        raise ValueError("kv_handoff.generator_state must be given exactly when params has a seed")
+    if state is None:
+        return
+    expected = params.make_generator(device).get_state()
+    if not isinstance(state, torch.Tensor) or state.dtype != expected.dtype or state.shape != expected.shape:
+        got = f"{state.dtype} {tuple(state.shape)}" if isinstance(state, torch.Tensor) else type(state).__name__
+        raise ValueError(f"kv_handoff.generator_state is {got}; a generator on {device} keeps a "
+                         f"{expected.dtype} {tuple(expected.shape)} state")
 
 
 def adopt(seq: Sequence, handoff: KVHandoff, manager: BlockManager, runner: ModelRunner) -> None:

@@ -217,8 +217,8 @@ class LLMEngine:
         reported again by step(). max_num_seqs does not hold it back: the caller paces what it hands over."""
         params = SamplingParams() if params is None else params
         with self._lock:
-            prompt = handoff.check_handoff(self, kv_handoff, params)
-            seq = self._new_sequence(prompt, params, params.stops(self.eos_token_id), request_id)
+            prompt, stops = handoff.check_handoff(self, kv_handoff, params)
+            seq = self._new_sequence(prompt, params, stops, request_id)
             handoff.adopt(seq, kv_handoff, self.block_manager, self.runner)
             self.scheduler.add_running(seq)
             return seq.request_id
