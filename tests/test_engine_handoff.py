@@ -133,3 +133,28 @@ def test_door_checks_name_the_field_and_leave_the_engine_as_it_was(model):
             decode.adopt_prefilled(wrong, params)
         assert not decode.requests and decode.stats()["blocks_in_use"] == 0
         assert decode.stats()["cached_blocks"] == 0
+
+
+def test_a_failed_adoption_leaves_no_request_no_block_and_no_cached_prefix(model, monkeypatch):
+    """The K/V copy fails after the request got its blocks (and they entered the prefix cache): all of it
+    is undone, and the same handoff then adopts and decodes as one engine would."""
+    params = PARAMS["greedy"]
+    prompt = prompts()[3]
+    handoff = LLMEngine(model, block_size=4, num_blocks=20).prefill_for_handoff(prompt, params)
+    decode = LLMEngine(model, block_size=4, num_blocks=20)
+
+    def out_of_memory(block_table, kv):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(decode.runner, "write_kv", out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        decode.adopt_prefilled(handoff, params)
+    stats = decode.stats()
+    assert not decode.requests and stats["blocks_in_use"] == 0 and stats["cached_blocks"] == 0
+    monkeypatch.undo()
+    request_id = decode.adopt_prefilled(handoff, params)
+    completion = [handoff.first_token]
+    while decode.has_unfinished_requests():
+        completion += [t for out in decode.step() if out.request_id == request_id for t in out.new_token_ids]
+    reference = LLMEngine(model, block_size=4, num_blocks=20).generate([prompt], params, use_tqdm=False)
+    assert [completion] == reference

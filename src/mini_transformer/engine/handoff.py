@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling import SamplingParams
-from .block_manager import BlockManager, blocks_for
-from .model_runner import ModelRunner
+from .block_manager import blocks_for
 from .sequence import Sequence
 
 
@@ -102,14 +101,25 @@ def _check_generator_state(state, params: SamplingParams, device: torch.device) 
                          f"{expected.dtype} {tuple(expected.shape)} state")
 
 
-def adopt(seq: Sequence, handoff: KVHandoff, manager: BlockManager, runner: ModelRunner) -> None:
-    """Give a new sequence blocks of this pool holding the handed-off prompt K/V, and its first token;
-    check_handoff has seen the room. LLMEngine.adopt_prefilled then puts it in the running batch."""
-    manager.admit(seq, [])
-    allocated = manager.allocate_slots(seq, seq.num_prompt_tokens)
-    assert allocated, "check_handoff saw the room"
-    runner.write_kv(seq.block_table, handoff.kv)
+def adopt(engine, seq: Sequence, handoff: KVHandoff) -> None:
+    """Give a new sequence (already in engine.requests) blocks of this pool holding the handed-off
+    prompt K/V, and its first token, and put it in the running batch; check_handoff has seen the room.
+    Should anything fail on the way (the copy to the device runs out of memory, the generator refuses
+    its state), the request leaves no trace: not in engine.requests, no block held, and nothing in the
+    prefix cache (its full blocks were registered there before their K/V arrived)."""
+    manager = engine.block_manager
+    try:
+        manager.admit(seq, [])
+        allocated = manager.allocate_slots(seq, seq.num_prompt_tokens)
+        assert allocated, "check_handoff saw the room"
+        engine.runner.write_kv(seq.block_table, handoff.kv)
+        if seq.generator is not None:
+            seq.generator.set_state(handoff.generator_state)
+    except BaseException:
+        manager.forget_uncomputed(seq)  # nothing counts as computed yet: every block leaves the cache
+        manager.free(seq)
+        del engine.requests[seq.request_id]
+        raise
     seq.num_computed_tokens = seq.num_prompt_tokens
-    if seq.generator is not None:
-        seq.generator.set_state(handoff.generator_state)
     seq.append_token(handoff.first_token)
+    engine.scheduler.add_running(seq)

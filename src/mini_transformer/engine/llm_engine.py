@@ -219,8 +219,7 @@ class LLMEngine:
         with self._lock:
             prompt, stops = handoff.check_handoff(self, kv_handoff, params)
             seq = self._new_sequence(prompt, params, stops, request_id)
-            handoff.adopt(seq, kv_handoff, self.block_manager, self.runner)
-            self.scheduler.add_running(seq)
+            handoff.adopt(self, seq, kv_handoff)
             return seq.request_id
 
     def has_unfinished_requests(self) -> bool:
