@@ -158,3 +158,29 @@ def test_a_failed_adoption_leaves_no_request_no_block_and_no_cached_prefix(model
         completion += [t for out in decode.step() if out.request_id == request_id for t in out.new_token_ids]
     reference = LLMEngine(model, block_size=4, num_blocks=20).generate([prompt], params, use_tqdm=False)
     assert [completion] == reference
+
+
+def test_the_prefill_engine_lets_go_of_the_request_however_it_ends(model, monkeypatch):
+    """Handed off: counted as such, not as an abort. The K/V copy failing: the request is aborted, its
+    blocks are free, and the next handoff finds the engine empty."""
+    params = PARAMS["greedy"]
+    engine = LLMEngine(model, block_size=4, num_blocks=20)
+    engine.prefill_for_handoff(prompts()[1], params)
+    stats = engine.stats()
+    assert (stats["requests_handed_off"], stats["requests_aborted"], stats["requests_finished"]) == (1, 0, 0)
+    engine.prefill_for_handoff(prompts()[0], SamplingParams(max_tokens=1))  # done at its first token
+    assert (engine.stats()["requests_handed_off"], engine.stats()["requests_finished"]) == (1, 1)
+
+    def out_of_memory(block_table, num_tokens):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(engine.runner, "read_kv", out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.prefill_for_handoff(prompts()[3], params)
+    assert not engine.requests and engine.stats()["blocks_in_use"] == 0
+    assert engine.stats()["requests_aborted"] == 1
+    monkeypatch.undo()
+    again = engine.prefill_for_handoff(prompts()[3], params)  # its prefix comes from the cache this time
+    fresh = LLMEngine(model, block_size=4, num_blocks=20).prefill_for_handoff(prompts()[3], params)
+    assert again.first_token == fresh.first_token
+    torch.testing.assert_close(again.kv, fresh.kv, atol=1e-5, rtol=1e-5)  # other batch shapes: rounding

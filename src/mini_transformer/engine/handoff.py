@@ -43,20 +43,28 @@ class KVHandoff:
 
 
 def prefill(engine, prompt_token_ids, params: SamplingParams) -> KVHandoff:
-    """LLMEngine.prefill_for_handoff's work; the caller holds the engine's lock."""
+    """LLMEngine.prefill_for_handoff's work; the caller holds the engine's lock. However it ends, the
+    request leaves the engine (so the next handoff finds it empty): handed off, finished at its first
+    token, or aborted when a step or the K/V copy raised. A handoff counts as one, not as an abort."""
     if engine.requests:
         raise RuntimeError(f"prefill_for_handoff needs an engine with no other requests in flight (it has "
                            f"{len(engine.requests)}): their outputs of the steps it runs would be lost")
     request_id = engine.add_request(prompt_token_ids, params)
     seq: Sequence = engine.requests[request_id]
-    first = None
-    while first is None:  # a long prompt may take several steps (chunked prefill)
-        first = next((out for out in engine.step() if out.request_id == request_id), None)
-    state = None if seq.generator is None else seq.generator.get_state()
-    kv = None
-    if not first.finished:  # a finished request has freed its blocks already
-        kv = engine.runner.read_kv(seq.block_table, seq.num_prompt_tokens)
-        engine.abort(request_id)  # its blocks return to the pool; its prefix stays in the cache
+    try:
+        first = None
+        while first is None:  # a long prompt may take several steps (chunked prefill)
+            first = next((out for out in engine.step() if out.request_id == request_id), None)
+        state = None if seq.generator is None else seq.generator.get_state()
+        # a finished request has freed its blocks already: nothing to read
+        kv = None if first.finished else engine.runner.read_kv(seq.block_table, seq.num_prompt_tokens)
+    except BaseException:
+        engine.abort(request_id)  # still holding its blocks unless the failed step ended it already
+        raise
+    if not first.finished:
+        del engine.requests[request_id]
+        engine.scheduler.finish(seq)  # its blocks return to the pool; its prefix stays in the cache
+        engine.counters["requests_handed_off"] += 1
     return KVHandoff(tuple(seq.prompt_token_ids), first.new_token_ids[0], first.finished, first.finish_reason,
                      state, kv)
 

@@ -116,7 +116,8 @@ class LLMEngine:
         self._lock = threading.RLock()
         self.counters = dict(steps=0, prefill_tokens_computed=0, decode_tokens_computed=0,
                              prefix_cache_hit_tokens=0, preemptions=0, requests_finished=0,
-                             requests_aborted=0, max_batched_tokens_seen=0, mixed_steps=0)
+                             requests_aborted=0, requests_handed_off=0, max_batched_tokens_seen=0,
+                             mixed_steps=0)
 
     # ----------------------------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
