@@ -133,8 +133,11 @@ def test_one_layout_alone_builds_what_both_build(layout):
         assert layout == BLOCK_TABLE and alone.groups == []
         for name in ("block_tables", "token_seq", "token_pos"):
             assert torch.equal(getattr(alone, name), getattr(both, name)), name
-        with pytest.raises(AssertionError, match="GATHERED"):
+        with pytest.raises(ValueError, match="reads 'gathered'"):
             paged_attention(torch.zeros(sum(query_lens), 2, 4), torch.zeros(200, 1, 4), torch.zeros(200, 1, 4), alone)
+    for wrong in ((), GATHERED, ("gathered", "blocks")):  # a bare string is not a sequence of layouts
+        with pytest.raises(ValueError, match="layouts="):
+            PagedAttentionMetadata.build(tables, context_lens, query_lens, block_size, layouts=wrong)
 
 
 def run_triton(context_lens, query_lens, block_size, H, Hkv, D):

@@ -98,7 +98,8 @@ class PagedAttentionMetadata:
         and copied to `device` once: no value is ever read back from the device."""
         lens = zip(block_tables, context_lens, query_lens, strict=True)
         assert all(0 < n_new <= n_keys <= len(table) * block_size for table, n_keys, n_new in lens)
-        assert layouts and set(layouts) <= set(LAYOUTS), layouts
+        if isinstance(layouts, str) or not layouts or not set(layouts) <= set(LAYOUTS):
+            raise ValueError(f"layouts={layouts!r} must be a non-empty sequence of {LAYOUTS}")
         max_blocks = max(len(table) for table in block_tables)
         tables = torch.tensor([list(t) + [0] * (max_blocks - len(t)) for t in block_tables])  # (S, Bmax)
         token_seq = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # (N,)
@@ -176,7 +177,9 @@ def paged_attention(
     `attend(q, k, v, key_padding_mask)` is a contiguous attention (causal, queries at the end of the keys),
     by default the naive reference; the model passes its own `Attend`, so the configured backend runs.
     Returns (N, H, D) in the order of q."""
-    assert GATHERED in meta.layouts, "paged_attention reads the GATHERED layout; build the metadata with it"
+    if GATHERED not in meta.layouts:
+        raise ValueError(f"meta was built with layouts={meta.layouts}; paged_attention reads {GATHERED!r}: "
+                         "build the metadata with it")
     attend = attend or _naive
     N, H, D = q.shape
     out = q.new_empty(N, H, D)
