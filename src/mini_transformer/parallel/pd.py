@@ -88,12 +88,14 @@ def run_disaggregated(model: TransformerLM, prompts: list[list[int]], params: Sa
     """Serve `prompts` with rank 0 prefilling and rank 1 decoding (call it on both, same arguments).
     Seeded or greedy sampling gives what one LLMEngine gives; unseeded sampling draws from each
     process's own global generator and cannot match."""
-    if not dist.is_initialized() or dist.get_world_size(group) != 2:
-        raise ValueError("run_disaggregated needs a torch.distributed group of exactly 2 ranks (prefill, decode)")
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-    rank = dist.get_rank(group)
     engine = LLMEngine(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max(1, len(prompts)))
+    for prompt in prompts:  # refused on both ranks before any message, or the decode rank would wait forever
+        engine.check_request(prompt, params)
+    if not dist.is_initialized() or dist.get_world_size(group) != 2:
+        raise ValueError("run_disaggregated needs a torch.distributed group of exactly 2 ranks (prefill, decode)")
+    rank = dist.get_rank(group)
     result = DisaggregatedResult()
     if rank == PREFILL_RANK:
         result.kv_bytes = [_prefill_one(engine, list(p), params, DECODE_RANK) for p in prompts]
