@@ -71,7 +71,7 @@ def test_adopted_kv_sits_in_the_decode_pool(model):
     assert request_id == "moved"
     view = decode.snapshot().running[0]
     assert view.request_id == "moved" and view.computed_tokens == 22 and view.output_tokens == 1
-    assert torch.equal(decode.runner.read_kv(list(view.block_table), 22), handoff.kv)
+    assert torch.equal(decode.runner.copy_kv_out(list(view.block_table), 22), handoff.kv)
 
 
 def test_a_request_done_at_its_first_token_hands_over_no_kv(model):
@@ -146,7 +146,7 @@ def test_a_failed_adoption_leaves_no_request_no_block_and_no_cached_prefix(model
     def out_of_memory(block_table, kv):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(decode.runner, "write_kv", out_of_memory)
+    monkeypatch.setattr(decode.runner, "copy_kv_in", out_of_memory)
     with pytest.raises(RuntimeError, match="out of memory"):
         decode.adopt_prefilled(handoff, params)
     stats = decode.stats()
@@ -174,7 +174,7 @@ def test_the_prefill_engine_lets_go_of_the_request_however_it_ends(model, monkey
     def out_of_memory(block_table, num_tokens):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(engine.runner, "read_kv", out_of_memory)
+    monkeypatch.setattr(engine.runner, "copy_kv_out", out_of_memory)
     with pytest.raises(RuntimeError, match="out of memory"):
         engine.prefill_for_handoff(prompts()[3], params)
     assert not engine.requests and engine.stats()["blocks_in_use"] == 0

@@ -57,7 +57,7 @@ def prefill(engine, prompt_token_ids, params: SamplingParams) -> KVHandoff:
             first = next((out for out in engine.step() if out.request_id == request_id), None)
         state = None if seq.generator is None else seq.generator.get_state()
         # a finished request has freed its blocks already: nothing to read
-        kv = None if first.finished else engine.runner.read_kv(seq.block_table, seq.num_prompt_tokens)
+        kv = None if first.finished else engine.runner.copy_kv_out(seq.block_table, seq.num_prompt_tokens)
     except BaseException:
         engine.abort(request_id)  # still holding its blocks unless the failed step ended it already
         raise
@@ -120,7 +120,7 @@ def adopt(engine, seq: Sequence, handoff: KVHandoff) -> None:
         manager.admit(seq, [])
         allocated = manager.allocate_slots(seq, seq.num_prompt_tokens)
         assert allocated, "check_handoff saw the room"
-        engine.runner.write_kv(seq.block_table, handoff.kv)
+        engine.runner.copy_kv_in(seq.block_table, handoff.kv)
         if seq.generator is not None:
             seq.generator.set_state(handoff.generator_state)
     except BaseException:

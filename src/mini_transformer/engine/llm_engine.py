@@ -7,7 +7,7 @@
             ...
     completions = engine.generate(list_of_prompt_id_lists, params)   # the same loop, with a progress bar
     view = engine.snapshot()               # frozen: queues, block tables, the pool, stats (for a server)
-    kv = engine.prefill_for_handoff(ids, params); other_engine.adopt_prefilled(kv, params)   # PD split
+    handoff = engine.prefill_for_handoff(ids, params); other_engine.adopt_prefilled(handoff, params)  # PD
 
 Requests can be added and aborted between any two steps (continuous batching). Every public method
 takes one lock, so a server may call add_request / abort from one thread while another thread steps.

@@ -77,11 +77,13 @@ class ModelRunner:
         bs = self.block_size
         return torch.tensor([block_table[i // bs] * bs + i % bs for i in range(num_tokens)], device=self.device)
 
-    def read_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+    # copy_kv_out / copy_kv_in move a whole prefix through its block table, all layers at once (a PD
+    # handoff); paged.write_kv is the per-layer scatter of one step's new tokens through the slot mapping.
+    def copy_kv_out(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
         """A copy of the K/V of a sequence's first num_tokens tokens: (2, n_layer, num_tokens, Hkv, D)."""
-        return self.kv_cache[:, :, self.slots(block_table, num_tokens)].contiguous()
+        return self.kv_cache[:, :, self.slots(block_table, num_tokens)].contiguous()  # dist.send needs contiguous
 
-    def write_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
+    def copy_kv_in(self, block_table: list[int], kv: torch.Tensor) -> None:
         """Put K/V (2, n_layer, P, Hkv, D) into the slots of a sequence's tokens 0 .. P-1."""
         self.kv_cache[:, :, self.slots(block_table, kv.shape[2])] = kv.to(self.device)
 
