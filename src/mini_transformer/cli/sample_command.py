@@ -63,9 +63,9 @@ def _run_sample(args) -> None:
 
     from ..checkpoint import resolve_checkpoint_dir
     from ..generate import generate_long
+    from ..runtime import resolve_device
     from ..sampling import SamplingParams
     from ..tokenizer import load_tokenizer
-    from ..train import resolve_device
     from ..transformer import TransformerLM
 
     prompts = _read_prompts(args)
