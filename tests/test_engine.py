@@ -262,10 +262,12 @@ def test_engine_on_cuda_equals_generate(backend):
 
 def test_moe_model_through_the_engine(monkeypatch):
     """An MoE model (Mixtral-style top-2 of 4 experts) runs in the engine unchanged: packed tokens of many
-    requests are routed one by one, so every request still equals generate() alone. Both dispatch paths
-    run: the sorted one for packed steps, the gathered one for steps of at most 2 tokens (N*k <= E)."""
+    requests are routed one by one, so every request still equals generate() alone. The layer chooses its
+    dispatch as on CUDA (no grouped kernel): the sorted loop over experts for packed steps, the gathered
+    path for steps of at most 2 tokens (N*k <= E); both must run."""
     from mini_transformer import moe as moe_module
 
+    monkeypatch.setattr(moe_module, "_grouped_mm_fits", lambda x, weight: False)
     paths = {"dispatch": 0, "dispatch_gathered": 0}
 
     def counting(name, original):

@@ -115,9 +115,10 @@ def test_gathered_dispatch_equals_the_loop_path_float64(tokens, n_experts, k, ki
 
 @pytest.mark.parametrize("tokens, gathered", [(1, True), (2, True), (3, False)])
 def test_small_batches_take_the_gathered_path_without_a_host_read(tokens, gathered):
-    """E = 4, k = 2: up to 2 tokens are gathered. On the meta device a tensor has a shape and no values,
-    so any read of a value (the loop's counts.tolist()) raises: the gathered path runs there, chosen from
-    shapes alone, and the loop path cannot (which shows the check would catch a read)."""
+    """E = 4, k = 2: up to 2 tokens are gathered where the sorted path would loop over experts (here: the
+    meta device, as on CUDA). A meta tensor has a shape and no values, so any read of a value (the loop's
+    counts.tolist()) raises: the gathered path runs there, chosen from shapes alone, and the loop path
+    cannot (which shows the check would catch a read)."""
     assert gathers(tokens, 2, 4) == gathered
     moe = MoE(moe_config()).to("meta")
     x = torch.randn(1, tokens, C, device="meta")
@@ -131,7 +132,9 @@ def test_small_batches_take_the_gathered_path_without_a_host_read(tokens, gather
 def test_decode_step_through_the_layer_equals_the_per_token_reference():
     moe = random_moe(moe_shared_expert_size=8, moe_shared_expert_gate=True)
     x = torch.randn(2, 1, C, dtype=torch.float64)  # one decode step of a batch of 2: N*k = 4 = E, gathered
+    assert moe._takes_gathered_path(x.view(2, C))
     torch.testing.assert_close(moe(x), moe_per_token_reference(moe, x), rtol=1e-12, atol=1e-12)
+    assert not moe.float()._takes_gathered_path(x.view(2, C).float())  # CPU fp32: the grouped kernel, no read
 
 
 def test_route_softmax_over_all_experts_then_top_k():

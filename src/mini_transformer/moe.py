@@ -8,8 +8,9 @@
 Dispatch is dropless and has no Python loop over tokens: the N*k (token, expert) slots are sorted by
 expert, each expert runs ONCE on its contiguous block of rows (a grouped matmul), and the outputs are
 scattered back to their tokens, weighted. No token is ever dropped for lack of "capacity".
-A small batch (decode: N*k <= n_experts) takes another path, `dispatch_gathered`: each slot gathers its
-expert's weights and one batched matmul runs every slot, with no sort and no read back to the host.
+A small batch (decode: N*k <= n_experts) whose sorted path would read the group sizes back to the host
+(the loop over experts: CUDA, float64) takes `dispatch_gathered` instead: each slot gathers its expert's
+weights and one batched matmul runs every slot, with no sort and nothing read back to the host.
 
 The router logits of the last forward pass stay on the layer (`MoE.router_logits`, (N, E)), so that the
 load-balancing loss, `trace` and the benchmark can read them; a forward hook on `MoE.router` sees them too.
@@ -152,10 +153,10 @@ def dispatch_gathered(x: torch.Tensor, weights: torch.Tensor, experts: torch.Ten
 
 
 def gathers(n_tokens: int, k: int, n_experts: int) -> bool:
-    """Whether `MoE` takes dispatch_gathered: when N*k <= n_experts. The gathered copy then holds at most
-    n_experts expert weights, the bytes the loop over experts reads anyway, and it saves the sort, up to
-    n_experts small matmuls and the host sync. Past that the copy grows with N while the grouped path
-    reads each expert once. Decided from shapes alone, never from the routing values."""
+    """Whether a batch is small enough for dispatch_gathered: N*k <= n_experts (decode). Its copy then
+    holds at most n_experts expert weights, as many as the layer has, and it saves the sort, n_experts
+    small matmuls and the host sync; past that the copy grows with N while the sorted path reads each
+    expert once. Decided from shapes alone, never from the routing values."""
     return n_tokens * k <= n_experts
 
 
@@ -179,10 +180,20 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # (N, C): tokens are routed one by one, batch and time flattened
         self.router_logits = self.router(x)  # (N, E)
         weights, experts = route(self.router_logits, self.top_k, self.renormalize)  # (N, k), (N, k)
-        # expert parallelism swaps in its own experts (rows travel between ranks): they keep the sorted path
-        small = isinstance(self.experts, Experts) and gathers(x.shape[0], self.top_k, self.experts.n_experts)
-        out = (dispatch_gathered if small else dispatch)(x, weights, experts, self.experts)  # (N, C)
+        gathered = self._takes_gathered_path(x)
+        out = (dispatch_gathered if gathered else dispatch)(x, weights, experts, self.experts)  # (N, C)
         return (out + self._shared(x)).view(shape) if self.shared_expert is not None else out.view(shape)
+
+    def _takes_gathered_path(self, x: torch.Tensor) -> bool:
+        """A small batch (`gathers`) whose sorted path would read the group sizes back to the host: the
+        loop over experts (CUDA, float64). Where the grouped kernel runs (CPU fp32/bf16) the sorted path
+        reads nothing back and is the faster one (bench_moe.py --decode-reps). Expert parallelism swaps in
+        its own experts, which send rows between ranks: they keep the sorted path. Shapes, dtypes and
+        devices decide, never a tensor's values."""
+        if not isinstance(self.experts, Experts) or not gathers(x.shape[0], self.top_k, self.experts.n_experts):
+            return False
+        first = self.experts.w_gate if self.experts.gated else self.experts.fc1
+        return not _grouped_mm_fits(x, first.weight)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         out = self.shared_expert(x)  # (N, C)
