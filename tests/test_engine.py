@@ -285,9 +285,24 @@ def test_engine_on_cuda_equals_generate(backend):
     assert stats["mixed_steps"] > 0 and stats["blocks_in_use"] == 0
 
 
-def test_moe_model_through_the_engine():
+def test_moe_model_through_the_engine(monkeypatch):
     """An MoE model (Mixtral-style top-2 of 4 experts) runs in the engine unchanged: packed tokens of many
-    requests are routed one by one, so every request still equals generate() alone."""
+    requests are routed one by one, so every request still equals generate() alone. The layer chooses its
+    dispatch as on CUDA (no grouped kernel): the sorted loop over experts for packed steps, the gathered
+    path for steps of at most 2 tokens (N*k <= E); both must run."""
+    from mini_transformer import moe as moe_module
+
+    monkeypatch.setattr(moe_module, "_grouped_mm_fits", lambda x, weight: False)
+    paths = {"dispatch": 0, "dispatch_gathered": 0}
+
+    def counting(name, original):
+        def counted(*args):
+            paths[name] += 1
+            return original(*args)
+        return counted
+
+    for name in paths:
+        monkeypatch.setattr(moe_module, name, counting(name, getattr(moe_module, name)))
     cfg = TransformerConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_kv_heads=2, n_layer=2, d_ff=64,
                             max_seq_len=64, pos_emb="rope", norm="rmsnorm", ffn="moe", n_experts=4,
                             n_experts_per_tok=2, bias=False, init_std=0.2)
@@ -297,3 +312,4 @@ def test_moe_model_through_the_engine():
     engine = LLMEngine(moe, block_size=4, num_blocks=200, max_num_batched_tokens=16)
     assert engine.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False) == [alone(moe, p, 8) for p in prompts]
     assert engine.stats()["mixed_steps"] > 0 and engine.stats()["blocks_in_use"] == 0
+    assert paths["dispatch"] > 0 and paths["dispatch_gathered"] > 0, paths
