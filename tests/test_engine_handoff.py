@@ -184,3 +184,24 @@ def test_the_prefill_engine_lets_go_of_the_request_however_it_ends(model, monkey
     fresh = LLMEngine(model, block_size=4, num_blocks=20).prefill_for_handoff(prompts()[3], params)
     assert again.first_token == fresh.first_token
     torch.testing.assert_close(again.kv, fresh.kv, atol=1e-5, rtol=1e-5)  # other batch shapes: rounding
+
+
+def test_an_adopted_prompt_serves_the_decode_engines_prefix_cache(model):
+    """The adopted blocks enter the decode pool's prefix cache: a later local request with the same
+    prompt reuses them (shared while both run, freed by the last holder) and still equals one engine."""
+    params, prompt = PARAMS["greedy"], prompts()[3]  # 22 tokens: 5 full blocks of 4
+    handoff = LLMEngine(model, block_size=4, num_blocks=20).prefill_for_handoff(prompt, params)
+    decode = LLMEngine(model, block_size=4, num_blocks=40)
+    adopted = decode.adopt_prefilled(handoff, params)
+    local = decode.add_request(prompt, params)
+    outputs = {adopted: [handoff.first_token], local: []}
+    first_step = True
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            outputs[out.request_id] += out.new_token_ids
+        if first_step:  # the local request was admitted beside the adopted one, on its blocks
+            assert decode.stats()["prefix_cache_hit_tokens"] == 20 and decode.snapshot().shared_blocks == 5
+            first_step = False
+    reference = LLMEngine(model, block_size=4, num_blocks=20).generate([prompt], params, use_tqdm=False)[0]
+    assert outputs[adopted] == outputs[local] == reference
+    assert decode.stats()["blocks_in_use"] == 0
