@@ -17,12 +17,18 @@ Dispatch (--dispatch-reps N): one MoE layer's forward + backward on 12 x 64 toke
 of the same active width, against the same MoE with a Python loop over experts instead of the grouped
 matmul, and against the reference: a Python loop over tokens (`moe_per_token_reference`).
 
+Decode (--decode-reps N): one MoE layer's dispatch at decode shapes (1 and 4 tokens, N*k <= E), forward
+only, its three ways: the sorted path with the loop over experts (one host read per layer; what CUDA
+and float64 ran before), the sorted path with the grouped matmul (the CPU's fp32/bf16 path, no host
+read), and the gathered path (`dispatch_gathered`, no host read) that replaces the loop at these shapes.
+
     python benchmarks/bench_moe.py --data /work/shared/data/tinyshakespeare.txt --plot moe.png
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -39,6 +45,7 @@ from mini_transformer.moe import MoE, moe_per_token_reference, tokens_per_expert
 from mini_transformer.train import TrainConfig, train  # noqa: E402
 
 DENSE_FF, N_EXPERTS, TOP_K = 384, 8, 2
+DECODE_TOKENS = (1, 4)  # N*k <= N_EXPERTS: the gathered path
 MODELS = {  # name -> (config changes, plot colour)
     "dense": (dict(ffn="swiglu", d_ff=DENSE_FF), "tab:blue"),
     "moe": (dict(ffn="moe", d_ff=DENSE_FF // TOP_K, n_experts=N_EXPERTS, n_experts_per_tok=TOP_K,
@@ -142,12 +149,61 @@ def timed(fn, reps: int) -> float:
     return 1000 * statistics.median(times)
 
 
+@contextlib.contextmanager
+def loop_over_experts():
+    """The MoE layer with grouped_matmul swapped for its loop over experts (what it runs on CUDA)."""
+    import mini_transformer.moe as moe_module
+
+    original = moe_module.grouped_matmul
+    moe_module.grouped_matmul = moe_module.grouped_matmul_loop
+    try:
+        yield
+    finally:
+        moe_module.grouped_matmul = original
+
+
+def decode(args, vocab_size: int) -> list:
+    """Dispatch alone (routed once beforehand), forward only, at decode shapes: (tokens, path, ms) rows."""
+    from mini_transformer.moe import gathers
+
+    torch.manual_seed(args.seed)
+    moe = MoE(model_config("moe", vocab_size)).eval()
+    rows = []
+    for n_tokens in DECODE_TOKENS:
+        assert gathers(n_tokens, TOP_K, N_EXPERTS)  # the shapes at which the layer takes the gathered path
+        rows += [(n_tokens, label, ms) for label, ms in decode_times(moe, n_tokens, args.decode_reps)]
+    print(f"\nMoE dispatch at decode shapes, forward, C={moe.router.in_features}, {N_EXPERTS} experts of d_ff "
+          f"{moe.experts.w_up.weight.shape[1]}, top-{TOP_K}, median of {args.decode_reps}")
+    print(f"{'tokens':>6} {'path [where the layer takes it]':<38} {'us':>9} {'vs loop over experts':>21}")
+    for n_tokens, label, ms in rows:
+        loop_ms = next(r[2] for r in rows if r[0] == n_tokens)
+        print(f"{n_tokens:>6} {label:<38} {1000 * ms:>9.1f} {ms / loop_ms:>20.2f}x")
+    return rows
+
+
+def decode_times(moe: MoE, n_tokens: int, reps: int) -> list[tuple[str, float]]:
+    from mini_transformer.moe import dispatch as sorted_dispatch
+    from mini_transformer.moe import dispatch_gathered, route
+
+    x = torch.randn(n_tokens, moe.router.in_features)
+    weights, experts = route(moe.router(x), moe.top_k, moe.renormalize)
+    inputs = (x, weights, experts, moe.experts)
+
+    def looped():
+        with loop_over_experts():
+            return sorted_dispatch(*inputs)
+
+    cases = [("sorted + loop over experts (host read)", looped),
+             ("sorted + grouped_mm [CPU fp32/bf16]", lambda: sorted_dispatch(*inputs)),
+             ("gathered + bmm [CUDA, float64]", lambda: dispatch_gathered(*inputs))]
+    with torch.no_grad():
+        return [(label, timed(fn, reps)) for label, fn in cases]
+
+
 def dispatch(args, vocab_size: int) -> list:
     from tqdm import tqdm
 
-    import mini_transformer.moe as moe_module
     from mini_transformer.layers import SwiGLU
-    from mini_transformer.moe import grouped_matmul_loop
 
     torch.manual_seed(args.seed)
     moe_cfg = model_config("moe", vocab_size)
@@ -158,12 +214,8 @@ def dispatch(args, vocab_size: int) -> list:
         return lambda: f(x).sum().backward()
 
     def expert_loop(x_):  # the same layer with grouped_matmul swapped for its per-expert loop
-        original = moe_module.grouped_matmul
-        moe_module.grouped_matmul = grouped_matmul_loop
-        try:
+        with loop_over_experts():
             return moe(x_)
-        finally:
-            moe_module.grouped_matmul = original
 
     cases = [("dense SwiGLU, same active width", fwd_bwd(dense), args.dispatch_reps),
              ("MoE, grouped matmul (ours)", fwd_bwd(moe), args.dispatch_reps),
@@ -216,6 +268,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--aux-coef", type=float, help="the moe model's aux loss coefficient (default: MODELS)")
     parser.add_argument("--dispatch-reps", type=int, default=20, help="timed calls per dispatch case (0 = skip)")
+    parser.add_argument("--decode-reps", type=int, default=200, help="timed calls per decode case (0 = skip)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -228,6 +281,8 @@ def main() -> None:
     vocab_size = CharTokenizer.train(load_text(args.data)[0]).vocab_size
     print(f"torch {torch.__version__}, {args.threads} threads, vocab {vocab_size}")
     dispatch_rows = dispatch(args, vocab_size) if args.dispatch_reps > 0 else []
+    if args.decode_reps > 0:
+        decode(args, vocab_size)
     with tempfile.TemporaryDirectory() as tmp:
         rows = quality(args, vocab_size, Path(tmp)) if args.steps > 0 else {}
     if args.plot:

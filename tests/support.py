@@ -50,3 +50,37 @@ def assert_same_weights(model, reference) -> None:
             keep[q_rows : q_rows + k_rows] = False
             tensor, other = tensor[keep], other[keep]
         torch.testing.assert_close(other, tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ---- the Hugging Face import tests (test_checkpoint.py, test_hf_families.py) ----------------------------
+HF_VOCAB = 61  # the vocabulary of the tiny transformers models those tests build
+
+
+def perturbed(hf_model):
+    """Move every parameter off its init (norm weights off 1, biases off 0) so each one matters."""
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return hf_model.eval()
+
+
+def left_padded_batch(T=12):
+    """Three rows of HF_VOCAB ids: one unpadded, one with 4 pads, one with only two real tokens."""
+    ids = torch.randint(0, HF_VOCAB, (3, T))
+    mask = torch.ones(3, T, dtype=torch.long)
+    mask[1, :4] = 0
+    mask[2, :T - 2] = 0
+    return ids, mask
+
+
+def max_logit_diff(hf_model, ours, ids, mask=None) -> float:
+    """Max |ours - HF| over real positions. HF gets explicit position ids (real tokens count from 0, as
+    its generate() does); ours derives them from the mask itself."""
+    hf_kwargs = {}
+    if mask is not None:
+        hf_kwargs = dict(attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    with torch.no_grad():
+        expected = hf_model(ids, **hf_kwargs).logits
+        got, _ = ours(ids, attention_mask=mask)
+    real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    return (got - expected)[real].abs().max().item()

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support import edit_files
+from support import HF_VOCAB, edit_files, left_padded_batch, max_logit_diff, perturbed
 
 from mini_transformer import TransformerConfig, TransformerLM
 from mini_transformer.checkpoint import CheckpointError, clean_state_dict, load_state_into, write_checkpoint
@@ -16,16 +16,8 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
 
-VOCAB = 61
+VOCAB = HF_VOCAB
 TOLERANCE = 1e-5
-
-
-def perturbed(hf_model):
-    """Move every parameter off its init (norm weights off 1, biases off 0) so each one matters."""
-    with torch.no_grad():
-        for p in hf_model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return hf_model.eval()
 
 
 def tiny_gpt2(**overrides):
@@ -39,27 +31,6 @@ def tiny_llama(**overrides):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     cfg = transformers.LlamaConfig(**{**values, **overrides})
     return perturbed(transformers.LlamaForCausalLM(cfg))
-
-
-def left_padded_batch(T=12):
-    ids = torch.randint(0, VOCAB, (3, T))
-    mask = torch.ones(3, T, dtype=torch.long)
-    mask[1, :4] = 0
-    mask[2, :T - 2] = 0  # only two real tokens
-    return ids, mask
-
-
-def max_logit_diff(hf_model, ours, ids, mask=None) -> float:
-    """Max |ours - HF| over real positions. HF gets explicit position ids (real tokens count from 0, as
-    its generate() does); ours derives them from the mask itself."""
-    hf_kwargs = {}
-    if mask is not None:
-        hf_kwargs = dict(attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
-    with torch.no_grad():
-        expected = hf_model(ids, **hf_kwargs).logits
-        got, _ = ours(ids, attention_mask=mask)
-    real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
-    return (got - expected)[real].abs().max().item()
 
 
 def check_parity(name, hf_model, path, backend="naive"):

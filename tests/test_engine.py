@@ -185,6 +185,31 @@ def test_triton_backend_walks_the_block_tables_in_its_kernel():
         LLMEngine(model, block_size=3, num_blocks=4)
 
 
+@pytest.mark.parametrize("backend, layout", [("sdpa", "gathered"), ("triton", "block_table")])
+def test_each_step_builds_only_the_metadata_layout_its_backend_reads(monkeypatch, backend, layout):
+    from mini_transformer.attention.paged import PagedAttentionMetadata
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=32, n_heads=2, n_layer=1, d_ff=32, max_seq_len=32,
+                            attn_backend=backend)
+    model = TransformerLM(cfg).eval()
+    built, build = [], PagedAttentionMetadata.build.__func__
+
+    def spy(cls, *args, **kwargs):
+        meta = build(cls, *args, **kwargs)
+        built.append(meta.layouts)
+        return meta
+
+    monkeypatch.setattr(PagedAttentionMetadata, "build", classmethod(spy))
+    engine = LLMEngine(model, block_size=4, num_blocks=20)
+    assert engine.runner.attention_layout == layout
+    prompts = make_prompts()[:2]
+    assert engine.generate(prompts, SamplingParams(max_tokens=3), use_tqdm=False) == [alone(model, p, 3)
+                                                                                        for p in prompts]
+    assert built and set(built) == {(layout,)}
+
+
 def test_a_failing_forward_pass_ends_its_requests_and_leaves_the_engine_usable(model, monkeypatch):
     engine = LLMEngine(model, block_size=4, num_blocks=50)
     prompt = make_prompts()[3]
@@ -260,9 +285,24 @@ def test_engine_on_cuda_equals_generate(backend):
     assert stats["mixed_steps"] > 0 and stats["blocks_in_use"] == 0
 
 
-def test_moe_model_through_the_engine():
+def test_moe_model_through_the_engine(monkeypatch):
     """An MoE model (Mixtral-style top-2 of 4 experts) runs in the engine unchanged: packed tokens of many
-    requests are routed one by one, so every request still equals generate() alone."""
+    requests are routed one by one, so every request still equals generate() alone. The layer chooses its
+    dispatch as on CUDA (no grouped kernel): the sorted loop over experts for packed steps, the gathered
+    path for steps of at most 2 tokens (N*k <= E); both must run."""
+    from mini_transformer import moe as moe_module
+
+    monkeypatch.setattr(moe_module, "_grouped_mm_fits", lambda x, weight: False)
+    paths = {"dispatch": 0, "dispatch_gathered": 0}
+
+    def counting(name, original):
+        def counted(*args):
+            paths[name] += 1
+            return original(*args)
+        return counted
+
+    for name in paths:
+        monkeypatch.setattr(moe_module, name, counting(name, getattr(moe_module, name)))
     cfg = TransformerConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_kv_heads=2, n_layer=2, d_ff=64,
                             max_seq_len=64, pos_emb="rope", norm="rmsnorm", ffn="moe", n_experts=4,
                             n_experts_per_tok=2, bias=False, init_std=0.2)
@@ -272,3 +312,4 @@ def test_moe_model_through_the_engine():
     engine = LLMEngine(moe, block_size=4, num_blocks=200, max_num_batched_tokens=16)
     assert engine.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False) == [alone(moe, p, 8) for p in prompts]
     assert engine.stats()["mixed_steps"] > 0 and engine.stats()["blocks_in_use"] == 0
+    assert paths["dispatch"] > 0 and paths["dispatch_gathered"] > 0, paths

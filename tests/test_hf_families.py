@@ -6,7 +6,7 @@ family maps to; and the errors for what we do not support. Run with -s for the "
 
 import pytest
 import torch
-from support import edit_files
+from support import HF_VOCAB, edit_files, left_padded_batch, max_logit_diff, perturbed
 
 from mini_transformer import TransformerLM, generate
 from mini_transformer.moe import MoE, load_balancing_loss
@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
 
-VOCAB = 61
+VOCAB = HF_VOCAB
 TOLERANCE = 1e-5
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=32)
@@ -40,29 +40,7 @@ CASES = {
 
 def hf_model(kind: str, values: dict):
     cfg = getattr(transformers, f"{kind}Config")(**{**COMMON, **values})
-    model = getattr(transformers, f"{kind}ForCausalLM")(cfg)
-    with torch.no_grad():  # every weight off its init (norms off 1, biases off 0), so each one matters
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model.eval()
-
-
-def left_padded_batch(T=12):
-    ids = torch.randint(0, VOCAB, (3, T))
-    mask = torch.ones(3, T, dtype=torch.long)
-    mask[1, :4] = 0
-    mask[2, : T - 2] = 0
-    return ids, mask
-
-
-def max_logit_diff(hf, ours, ids, mask=None) -> float:
-    """Max |ours - HF| over real positions; HF gets the position ids its generate() would use."""
-    kwargs = {} if mask is None else dict(attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
-    with torch.no_grad():
-        expected = hf(ids, **kwargs).logits
-        got, _ = ours(ids, attention_mask=mask)
-    real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
-    return (got - expected)[real].abs().max().item()
+    return perturbed(getattr(transformers, f"{kind}ForCausalLM")(cfg))
 
 
 def imported(case, path, backend="naive"):

@@ -1,5 +1,6 @@
 """The MoE layer against a plain per-token loop in float64 (forward and gradients, both dispatch paths,
-every expert kind, shared expert), the routing formulas, the load-balancing loss, and an MoE model
+every expert kind, shared expert), the small-batch gathered path against the sorted loop path (and that
+it reads nothing back to the host), the routing formulas, the load-balancing loss, and an MoE model
 through the KV cache, generate and a training step."""
 
 import pytest
@@ -12,6 +13,9 @@ from mini_transformer.kv_cache import KVCache
 from mini_transformer.moe import (
     MoE,
     _grouped_mm_fits,
+    dispatch,
+    dispatch_gathered,
+    gathers,
     grouped_matmul,
     grouped_matmul_loop,
     load_balancing_loss,
@@ -85,6 +89,52 @@ def test_fp32_layer_with_grouped_matmul_matches_float64_reference():
     moe_per_token_reference(moe64, x).square().sum().backward()
     for (name, p32), p64 in zip(moe32.named_parameters(), moe64.parameters(), strict=True):
         torch.testing.assert_close(p32.grad.double(), p64.grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
+EXPERT_KINDS = [dict(), dict(bias=True), dict(moe_expert_ffn="gelu", bias=True), dict(moe_expert_ffn="relu")]
+
+
+@settings(max_examples=20, deadline=None)
+@given(tokens=st.integers(1, 8), n_experts=st.integers(1, 8), k=st.integers(1, 8), kind=st.sampled_from(EXPERT_KINDS),
+       renormalize=st.booleans())
+def test_gathered_dispatch_equals_the_loop_path_float64(tokens, n_experts, k, kind, renormalize):
+    """Any shape, not only the decode shapes MoE sends it: forward and every gradient, float64."""
+    k = min(k, n_experts)
+    moe = random_moe(n_experts=n_experts, n_experts_per_tok=k, moe_norm_topk_prob=renormalize, **kind)
+    x = torch.randn(tokens, C, dtype=torch.float64, requires_grad=True)
+    weights, experts = route(moe.router(x), k, renormalize)
+    got = dispatch_gathered(x, weights, experts, moe.experts)
+    expected = dispatch(x, weights, experts, moe.experts)  # float64: grouped_matmul takes its loop over experts
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    grad_out = torch.randn_like(got)
+    inputs = [x, *moe.experts.parameters(), *moe.router.parameters()]
+    got_grads = torch.autograd.grad(got, inputs, grad_out, retain_graph=True)  # the router's graph is shared
+    for g, e in zip(got_grads, torch.autograd.grad(expected, inputs, grad_out), strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("tokens, gathered", [(1, True), (2, True), (3, False)])
+def test_small_batches_take_the_gathered_path_without_a_host_read(tokens, gathered):
+    """E = 4, k = 2: up to 2 tokens are gathered where the sorted path would loop over experts (here: the
+    meta device, as on CUDA). A meta tensor has a shape and no values, so any read of a value (the loop's
+    counts.tolist()) raises: the gathered path runs there, chosen from shapes alone, and the loop path
+    cannot (which shows the check would catch a read)."""
+    assert gathers(tokens, 2, 4) == gathered
+    moe = MoE(moe_config()).to("meta")
+    x = torch.randn(1, tokens, C, device="meta")
+    if gathered:
+        assert moe(x).shape == (1, tokens, C)
+    else:
+        with pytest.raises(NotImplementedError, match="meta"):
+            moe(x)
+
+
+def test_decode_step_through_the_layer_equals_the_per_token_reference():
+    moe = random_moe(moe_shared_expert_size=8, moe_shared_expert_gate=True)
+    x = torch.randn(2, 1, C, dtype=torch.float64)  # one decode step of a batch of 2: N*k = 4 = E, gathered
+    assert moe._takes_gathered_path(x.view(2, C))
+    torch.testing.assert_close(moe(x), moe_per_token_reference(moe, x), rtol=1e-12, atol=1e-12)
+    assert not moe.float()._takes_gathered_path(x.view(2, C).float())  # CPU fp32: the grouped kernel, no read
 
 
 def test_route_softmax_over_all_experts_then_top_k():

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mini_transformer.attention import PagedAttentionMetadata, attention, get_backend, paged_attention, write_kv
+from mini_transformer.attention.paged import BLOCK_TABLE, GATHERED, LAYOUTS
 
 
 def scatter_sequences(context_lens, query_lens, block_size, H, Hkv, D, dtype, seed=0):
@@ -108,6 +109,35 @@ def test_paged_equals_contiguous_random_shapes(data, block_size, groups):
     query_lens = [data.draw(st.integers(1, n)) for n in context_lens]
     out, seqs, _, _ = run_paged(context_lens, query_lens, block_size, 4, 4 // groups, 4, torch.float64)
     torch.testing.assert_close(out, contiguous(seqs, torch.float64), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_layout_alone_builds_what_both_build(layout):
+    """The engine builds only the layout its backend reads: the kernels must get the same inputs."""
+    context_lens, query_lens, block_size = [17, 8, 33, 1, 5], [4, 8, 1, 1, 1], 4
+    tables, *_ = scatter_sequences(context_lens, query_lens, block_size, 2, 1, 4, torch.float32)
+    both = PagedAttentionMetadata.build(tables, context_lens, query_lens, block_size)
+    alone = PagedAttentionMetadata.build(tables, context_lens, query_lens, block_size, layouts=(layout,))
+    walked = [t[p // block_size] * block_size + p % block_size
+              for t, n_keys, n_new in zip(tables, context_lens, query_lens, strict=True)
+              for p in range(n_keys - n_new, n_keys)]  # the slot of each new token, token by token
+    assert alone.slot_mapping.tolist() == both.slot_mapping.tolist() == walked
+    if layout == GATHERED:
+        assert alone.block_tables is None and alone.token_seq is None and alone.token_pos is None
+        assert len(alone.groups) == len(both.groups) == 2  # the decode group and the prefill group
+        for mine, theirs in zip(alone.groups, both.groups, strict=True):
+            for name in ("key_slots", "key_padding_mask", "token_index", "padded_index"):
+                assert torch.equal(getattr(mine, name), getattr(theirs, name)), name
+            assert (mine.num_seqs, mine.max_query_len) == (theirs.num_seqs, theirs.max_query_len)
+    else:
+        assert layout == BLOCK_TABLE and alone.groups == []
+        for name in ("block_tables", "token_seq", "token_pos"):
+            assert torch.equal(getattr(alone, name), getattr(both, name)), name
+        with pytest.raises(ValueError, match="reads 'gathered'"):
+            paged_attention(torch.zeros(sum(query_lens), 2, 4), torch.zeros(200, 1, 4), torch.zeros(200, 1, 4), alone)
+    for wrong in ((), GATHERED, ("gathered", "blocks")):  # a bare string is not a sequence of layouts
+        with pytest.raises(ValueError, match="layouts="):
+            PagedAttentionMetadata.build(tables, context_lens, query_lens, block_size, layouts=wrong)
 
 
 def run_triton(context_lens, query_lens, block_size, H, Hkv, D):

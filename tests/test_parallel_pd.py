@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM
-from mini_transformer.engine import LLMEngine
+from mini_transformer.engine import InvalidRequest, LLMEngine
 from mini_transformer.parallel import run_processes
 from mini_transformer.parallel.pd import kv_bytes_formula, run_disaggregated
 
@@ -46,3 +46,10 @@ def test_bytes_moved_match_the_formula(two_ranks):
 def test_needs_two_ranks():
     with pytest.raises(ValueError, match="exactly 2 ranks"):
         run_disaggregated(build(), PROMPTS, PARAMS[0])
+
+
+def test_a_bad_prompt_is_refused_before_any_message():
+    """Both ranks check every prompt before they talk: a prompt only the prefill rank refused would leave
+    the decode rank waiting for its header. No group here, so the check must come first."""
+    with pytest.raises(InvalidRequest, match="max_seq_len"):
+        run_disaggregated(build(), [PROMPTS[0], list(range(60))], PARAMS[0])

@@ -83,25 +83,36 @@ def llama_rope_theta(raw: dict) -> float:
     return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
 
 
-def llama_config(raw: dict, **overrides) -> TransformerConfig:
+LLAMA_FFN_NAMES = (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))  # ours, Llama's
+
+
+def llama_values(raw: dict, max_seq_len: int = 2048, d_ff: int = 11008) -> dict:
+    """Our config fields for Llama's block (RoPE, RMSNorm, SwiGLU, GQA) from a config.json dict. The
+    families of hf_families.py start from these too; `max_seq_len` and `d_ff` are the defaults for a
+    missing key. head_dim is None when it is d_model / n_heads."""
     _require(raw, "hidden_act", "silu", "the SwiGLU gate is silu")
     d_model, n_heads = raw.get("hidden_size", 4096), raw.get("num_attention_heads", 32)
     head_dim = raw.get("head_dim") or d_model // n_heads
-    if head_dim * n_heads != d_model:
-        raise ValueError(f"head_dim={head_dim} with num_attention_heads={n_heads} does not give "
-                         f"hidden_size={d_model}; expected head_dim = hidden_size / num_attention_heads")
     attention_bias, mlp_bias = raw.get("attention_bias", False), raw.get("mlp_bias", False)
     if attention_bias != mlp_bias:
         raise ValueError(f"attention_bias={attention_bias} and mlp_bias={mlp_bias} differ; "
                          f"expected both equal (our config has one `bias` switch)")
-    values = dict(
+    return dict(
         vocab_size=raw.get("vocab_size", 32000), d_model=d_model, n_heads=n_heads,
         n_kv_heads=raw.get("num_key_value_heads") or n_heads, n_layer=raw.get("num_hidden_layers", 32),
-        max_seq_len=raw.get("max_position_embeddings", 2048), d_ff=raw.get("intermediate_size", 11008),
+        max_seq_len=raw.get("max_position_embeddings", max_seq_len), d_ff=raw.get("intermediate_size", d_ff),
         pos_emb="rope", rope_theta=llama_rope_theta(raw), norm="rmsnorm", norm_eps=raw.get("rms_norm_eps", 1e-6),
         ffn="swiglu", bias=bool(attention_bias), tie_weights=raw.get("tie_word_embeddings", False),
         attn_pdrop=float(raw.get("attention_dropout", 0.0)),
+        head_dim=None if head_dim * n_heads == d_model else head_dim,
     )
+
+
+def llama_config(raw: dict, **overrides) -> TransformerConfig:
+    values = llama_values(raw)
+    if values["head_dim"] is not None:  # Llama's own class always has head_dim = hidden_size / heads
+        raise ValueError(f"head_dim={values['head_dim']} with num_attention_heads={values['n_heads']} does not "
+                         f"give hidden_size={values['d_model']}; expected head_dim = hidden_size / num_attention_heads")
     return TransformerConfig.from_dict({**values, **overrides})
 
 
@@ -138,21 +149,40 @@ def gpt2_rules(cfg: TransformerConfig) -> list[Rule]:
     return rules
 
 
-def llama_rules(cfg: TransformerConfig) -> list[Rule]:
-    kinds = ("weight", "bias") if cfg.bias else ("weight",)
+def llama_rules(cfg: TransformerConfig, ffn_rules=None) -> list[Rule]:
+    """Our tensor names <- Llama's (without the `model.` prefix); the head is added by the caller. The
+    config's switches decide the optional tensors (biases, q/k norms), so every family of Llama's block
+    uses these rules; `ffn_rules(cfg, i)` replaces layer i's dense SwiGLU (hf_families: the MoE ones)."""
     rules = [Rule("tok_emb.weight", ("embed_tokens.weight",))]
     for i in range(cfg.n_layer):
-        hf = f"layers.{i}"
-        rules.append(Rule(f"blocks.{i}.norm_1.weight", (f"{hf}.input_layernorm.weight",)))
-        rules.append(Rule(f"blocks.{i}.norm_2.weight", (f"{hf}.post_attention_layernorm.weight",)))
-        for kind in kinds:
-            qkv = tuple(f"{hf}.self_attn.{p}_proj.{kind}" for p in "qkv")
-            rules.append(Rule(f"blocks.{i}.attn.W_qkv.{kind}", qkv))
-            rules.append(Rule(f"blocks.{i}.attn.W_o.{kind}", (f"{hf}.self_attn.o_proj.{kind}",)))
-            for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
-                rules.append(Rule(f"blocks.{i}.ffn.{ours}.{kind}", (f"{hf}.mlp.{theirs}.{kind}",)))
+        rules += _llama_attention_rules(cfg, i)
+        rules += (ffn_rules or _llama_mlp_rules)(cfg, i)
     rules.append(Rule("norm_f.weight", ("norm.weight",)))
     return rules
+
+
+def _kinds(bias: bool) -> tuple[str, ...]:
+    return ("weight", "bias") if bias else ("weight",)
+
+
+def _llama_attention_rules(cfg: TransformerConfig, i: int) -> list[Rule]:
+    """Layer i's two norms and its attention: q, k, v concatenated into W_qkv, o_proj, maybe q/k norms."""
+    hf = f"layers.{i}"
+    rules = [Rule(f"blocks.{i}.norm_1.weight", (f"{hf}.input_layernorm.weight",)),
+             Rule(f"blocks.{i}.norm_2.weight", (f"{hf}.post_attention_layernorm.weight",))]
+    for kind in _kinds(cfg.bias if cfg.qkv_bias is None else cfg.qkv_bias):
+        rules.append(Rule(f"blocks.{i}.attn.W_qkv.{kind}", tuple(f"{hf}.self_attn.{p}_proj.{kind}" for p in "qkv")))
+    for kind in _kinds(cfg.bias):
+        rules.append(Rule(f"blocks.{i}.attn.W_o.{kind}", (f"{hf}.self_attn.o_proj.{kind}",)))
+    if cfg.qk_norm:
+        for name in ("q_norm", "k_norm"):
+            rules.append(Rule(f"blocks.{i}.attn.{name}.weight", (f"{hf}.self_attn.{name}.weight",)))
+    return rules
+
+
+def _llama_mlp_rules(cfg: TransformerConfig, i: int) -> list[Rule]:
+    return [Rule(f"blocks.{i}.ffn.{ours}.{kind}", (f"layers.{i}.mlp.{theirs}.{kind}",))
+            for kind in _kinds(cfg.bias) for ours, theirs in LLAMA_FFN_NAMES]
 
 
 def source_shapes(rule: Rule, target_shape: tuple[int, ...], cfg: TransformerConfig) -> list[tuple[int, ...]]:

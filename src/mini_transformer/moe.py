@@ -8,6 +8,9 @@
 Dispatch is dropless and has no Python loop over tokens: the N*k (token, expert) slots are sorted by
 expert, each expert runs ONCE on its contiguous block of rows (a grouped matmul), and the outputs are
 scattered back to their tokens, weighted. No token is ever dropped for lack of "capacity".
+A small batch (decode: N*k <= n_experts) whose sorted path would read the group sizes back to the host
+(the loop over experts: CUDA, float64) takes `dispatch_gathered` instead: each slot gathers its expert's
+weights and one batched matmul runs every slot, with no sort and nothing read back to the host.
 
 The router logits of the last forward pass stay on the layer (`MoE.router_logits`, (N, E)), so that the
 load-balancing loss, `trace` and the benchmark can read them; a forward hook on `MoE.router` sees them too.
@@ -64,6 +67,12 @@ class ExpertLinear(nn.Module):
         out = grouped_matmul(x, self.weight, counts)
         return out if self.bias is None else out + self.bias[expert_of_row]
 
+    def gathered(self, x: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+        """x (R, in) in any order, row r through expert expert_of_row[r] -> (R, out), by copying each row's
+        expert weight: (R, out, in). Shapes only, so nothing is read back to the host."""
+        out = torch.bmm(self.weight[expert_of_row], x.unsqueeze(-1)).squeeze(-1)  # (R, out, in) @ (R, in, 1)
+        return out if self.bias is None else out + self.bias[expert_of_row]
+
     def one(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `expert` alone on x (..., in): the per-token reference uses it."""
         out = x @ self.weight[expert].T
@@ -87,15 +96,20 @@ class Experts(nn.Module):
             self.activation = ACTIVATIONS[cfg.moe_expert_ffn]()
 
     def forward(self, x, counts, expert_of_row):  # (R, C) sorted by expert -> (R, C)
-        if self.gated:
-            hidden = F.silu(self.w_gate(x, counts, expert_of_row)) * self.w_up(x, counts, expert_of_row)
-            return self.w_down(hidden, counts, expert_of_row)  # (R, d_ff) -> (R, C)
-        return self.fc2(self.activation(self.fc1(x, counts, expert_of_row)), counts, expert_of_row)
+        return self._ffn(lambda linear, h: linear(h, counts, expert_of_row), x)
+
+    def gathered(self, x, expert_of_row):  # (R, C) in any order -> (R, C)
+        return self._ffn(lambda linear, h: linear.gathered(h, expert_of_row), x)
 
     def one(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return self._ffn(lambda linear, h: linear.one(expert, h), x)
+
+    def _ffn(self, apply, x):
+        """The expert FFN with `apply(linear, h)` standing for each of its ExpertLinears."""
         if self.gated:
-            return self.w_down.one(expert, F.silu(self.w_gate.one(expert, x)) * self.w_up.one(expert, x))
-        return self.fc2.one(expert, self.activation(self.fc1.one(expert, x)))
+            hidden = F.silu(apply(self.w_gate, x)) * apply(self.w_up, x)  # (R, d_ff)
+            return apply(self.w_down, hidden)  # (R, d_ff) -> (R, C)
+        return apply(self.fc2, self.activation(apply(self.fc1, x)))
 
 
 def route(router_logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +142,24 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ffns
     return torch.zeros_like(x).index_add_(0, token_of_row, rows.to(x.dtype))  # (N, C)
 
 
+def dispatch_gathered(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ffns: Experts) -> torch.Tensor:
+    """The same sum as `dispatch` for small batches: every (token, choice) slot copies its expert's
+    weights and one batched matmul runs all N*k slots. No sort, no group sizes, no device->host read
+    (the loop over experts needs one per layer), so a decode step stays asynchronous on a GPU."""
+    N, k = experts.shape
+    slots = x.unsqueeze(1).expand(N, k, x.shape[-1]).reshape(N * k, -1)  # (N*k, C) token n in rows n*k..
+    rows = ffns.gathered(slots, experts.reshape(-1)).view(N, k, -1)  # (N, k, C)
+    return (rows * weights.unsqueeze(-1).to(rows.dtype)).sum(dim=1).to(x.dtype)  # (N, C)
+
+
+def gathers(n_tokens: int, k: int, n_experts: int) -> bool:
+    """Whether a batch is small enough for dispatch_gathered: N*k <= n_experts (decode). Its copy then
+    holds at most n_experts expert weights, as many as the layer has, and it saves the sort, n_experts
+    small matmuls and the host sync; past that the copy grows with N while the sorted path reads each
+    expert once. Decided from shapes alone, never from the routing values."""
+    return n_tokens * k <= n_experts
+
+
 class MoE(nn.Module):
     """The `ffn="moe"` layer: router + n_experts FFNs (+ an optional shared expert). (B, T, C) -> (B, T, C)."""
 
@@ -148,8 +180,20 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # (N, C): tokens are routed one by one, batch and time flattened
         self.router_logits = self.router(x)  # (N, E)
         weights, experts = route(self.router_logits, self.top_k, self.renormalize)  # (N, k), (N, k)
-        out = dispatch(x, weights, experts, self.experts)  # (N, C)
+        gathered = self._takes_gathered_path(x)
+        out = (dispatch_gathered if gathered else dispatch)(x, weights, experts, self.experts)  # (N, C)
         return (out + self._shared(x)).view(shape) if self.shared_expert is not None else out.view(shape)
+
+    def _takes_gathered_path(self, x: torch.Tensor) -> bool:
+        """A small batch (`gathers`) whose sorted path would read the group sizes back to the host: the
+        loop over experts (CUDA, float64). Where the grouped kernel runs (CPU fp32/bf16) the sorted path
+        reads nothing back and is the faster one (bench_moe.py --decode-reps). Expert parallelism swaps in
+        its own experts, which send rows between ranks: they keep the sorted path. Shapes, dtypes and
+        devices decide, never a tensor's values."""
+        if not isinstance(self.experts, Experts) or not gathers(x.shape[0], self.top_k, self.experts.n_experts):
+            return False
+        first = self.experts.w_gate if self.experts.gated else self.experts.fc1
+        return not _grouped_mm_fits(x, first.weight)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         out = self.shared_expert(x)  # (N, C)

@@ -12,6 +12,15 @@ BPE_FILE = "tokenizer.json"
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"  # a Hugging Face directory names its EOS token here
 
 
+def _checked_ids(ids, vocab_size: int) -> list[int]:
+    """ids as Python ints, every one in [0, vocab_size) (ValueError naming the first few that are not)."""
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
 class CharTokenizer:
     """One id per distinct character of the training text, ids in sorted character order."""
 
@@ -53,11 +62,7 @@ class CharTokenizer:
         return [self.stoi[c] for c in text]
 
     def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        return "".join(self.chars[i] for i in ids)
+        return "".join(self.chars[i] for i in _checked_ids(ids, self.vocab_size))
 
     def save(self, path: str | Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -105,11 +110,7 @@ class BPETokenizer:
         return self.tokenizer.encode(text).ids
 
     def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return self.tokenizer.decode(_checked_ids(ids, self.vocab_size), skip_special_tokens=False)
 
     def save(self, path: str | Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)

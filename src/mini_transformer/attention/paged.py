@@ -24,6 +24,11 @@ decode steps (1 query each: (S, H, 1, D)) and the rest (prefill chunks).
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)     # the new tokens' K/V into their slots
     out = paged_attention(q, k_cache, v_cache, meta)         # (N, H, D)
 
+Two layouts of the metadata, one per kind of kernel: GATHERED (the padded groups above, for
+`paged_attention`) and BLOCK_TABLE (the block tables and each token's sequence and position, for the
+Triton kernel in `triton_paged.py`, which walks the tables itself). `build` makes both unless told
+`layouts=(...)`; the engine's runner picks the one its backend reads, once, and builds only that.
+
 Shapes: q (N, H, D) packed; k, v (N, Hkv, D); k_cache, v_cache (num_slots, Hkv, D) for one layer.
 """
 
@@ -37,7 +42,7 @@ import torch
 
 from .naive import naive_attention
 
-__all__ = ["PagedAttentionMetadata", "paged_attention", "write_kv"]
+__all__ = ["BLOCK_TABLE", "GATHERED", "LAYOUTS", "PagedAttentionMetadata", "paged_attention", "write_kv"]
 
 
 @dataclass
@@ -58,61 +63,81 @@ class PaddedGroup:
     max_query_len: int
 
 
+GATHERED, BLOCK_TABLE = "gathered", "block_table"
+LAYOUTS = (GATHERED, BLOCK_TABLE)
+
+
 @dataclass
 class PagedAttentionMetadata:
     """Where every token of one engine step lives, built once per step (every layer reuses it).
 
-    slot_mapping (N,): the slot each new token's K/V is written to (vLLM's name).
-    groups: the decode sequences and the prefill sequences, each padded on its own.
+    slot_mapping (N,): the slot each new token's K/V is written to (vLLM's name). Always built.
+    groups: the decode sequences and the prefill sequences, each padded on its own (GATHERED layout;
+    empty when not built).
     block_tables (S, Bmax) int32, token_seq (N,), token_pos (N,): what the Triton kernel reads instead
-    (each token's sequence and position; it walks the block table itself).
+    (each token's sequence and position; it walks the block table itself). None unless the BLOCK_TABLE
+    layout was built.
     """
 
     slot_mapping: torch.Tensor
     groups: list[PaddedGroup]
-    block_tables: torch.Tensor
-    token_seq: torch.Tensor
-    token_pos: torch.Tensor
+    block_tables: torch.Tensor | None
+    token_seq: torch.Tensor | None
+    token_pos: torch.Tensor | None
     block_size: int
+    layouts: tuple[str, ...] = LAYOUTS
 
     @classmethod
     def build(cls, block_tables: Sequence[Sequence[int]], context_lens: Sequence[int],
-              query_lens: Sequence[int], block_size: int, device: torch.device | str = "cpu"):
+              query_lens: Sequence[int], block_size: int, device: torch.device | str = "cpu",
+              layouts: Sequence[str] = LAYOUTS):
         """block_tables[s]: block ids of sequence s; context_lens[s]: its keys after this step (cached +
-        new); query_lens[s]: its new tokens, the last query_lens[s] of its keys. Plain Python lists in,
+        new); query_lens[s]: its new tokens, the last query_lens[s] of its keys. `layouts`: which of
+        GATHERED and BLOCK_TABLE to build (the slot mapping comes with either). Plain Python lists in,
         a few index tensors out. They are built on the CPU (the host knows all of this from scheduling)
         and copied to `device` once: no value is ever read back from the device."""
         lens = zip(block_tables, context_lens, query_lens, strict=True)
         assert all(0 < n_new <= n_keys <= len(table) * block_size for table, n_keys, n_new in lens)
-        first_token = [0]
-        for n in query_lens:
-            first_token.append(first_token[-1] + n)
-        slot_mapping = torch.empty(first_token[-1], dtype=torch.long)
-        groups = []
-        for in_group in (lambda n: n == 1, lambda n: n > 1):  # decode steps, then prefill chunks
-            members = [s for s, n in enumerate(query_lens) if in_group(n)]
-            if not members:
-                continue
-            group, new_slots, token_index = _pad_group(
-                [block_tables[s] for s in members], [context_lens[s] for s in members],
-                [query_lens[s] for s in members], [first_token[s] for s in members], block_size)
-            slot_mapping[token_index] = new_slots
-            groups.append(PaddedGroup(*(t.to(device) for t in group), num_seqs=len(members),
-                                      max_query_len=max(query_lens[s] for s in members)))
+        if isinstance(layouts, str) or not layouts or not set(layouts) <= set(LAYOUTS):
+            raise ValueError(f"layouts={layouts!r} must be a non-empty sequence of {LAYOUTS}")
         max_blocks = max(len(table) for table in block_tables)
-        tables = torch.tensor([list(t) + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
-        token_seq = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        tables = torch.tensor([list(t) + [0] * (max_blocks - len(t)) for t in block_tables])  # (S, Bmax)
+        token_seq = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # (N,)
         token_pos = torch.cat([torch.arange(k - n, k) for k, n in zip(context_lens, query_lens, strict=True)])
-        return cls(slot_mapping=slot_mapping.to(device), groups=groups, block_tables=tables.to(device),
-                   token_seq=token_seq.to(device), token_pos=token_pos.to(device), block_size=block_size)
+        slot_mapping = tables[token_seq, token_pos // block_size] * block_size + token_pos % block_size  # (N,)
+        meta = cls(slot_mapping=slot_mapping.to(device), groups=[], block_tables=None, token_seq=None,
+                   token_pos=None, block_size=block_size, layouts=tuple(layouts))
+        if GATHERED in layouts:
+            meta.groups = _padded_groups(tables, context_lens, query_lens, block_size, device)
+        if BLOCK_TABLE in layouts:
+            meta.block_tables = tables.to(device=device, dtype=torch.int32)
+            meta.token_seq, meta.token_pos = token_seq.to(device), token_pos.to(device)
+        return meta
 
 
-def _pad_group(block_tables, context_lens, query_lens, first_tokens, block_size):
-    """The left-padded key slots and right-aligned query places of some sequences (CPU tensors)."""
-    max_blocks = max(len(table) for table in block_tables)
+def _padded_groups(tables: torch.Tensor, context_lens, query_lens, block_size: int, device
+                   ) -> list[PaddedGroup]:
+    """The GATHERED layout: decode steps in one group, prefill chunks in another, each padded on its own."""
+    first_token = [0]
+    for n in query_lens:
+        first_token.append(first_token[-1] + n)
+    groups = []
+    for in_group in (lambda n: n == 1, lambda n: n > 1):  # decode steps, then prefill chunks
+        members = [s for s, n in enumerate(query_lens) if in_group(n)]
+        if not members:
+            continue
+        group = _pad_group(tables[members], [context_lens[s] for s in members],
+                           [query_lens[s] for s in members], [first_token[s] for s in members], block_size)
+        groups.append(PaddedGroup(*(t.to(device) for t in group), num_seqs=len(members),
+                                  max_query_len=max(query_lens[s] for s in members)))
+    return groups
+
+
+def _pad_group(tables: torch.Tensor, context_lens, query_lens, first_tokens, block_size: int):
+    """The left-padded key slots and right-aligned query places of some sequences (CPU tensors);
+    tables (S, Bmax) are their block tables, padded with block 0."""
     max_context, max_query = max(context_lens), max(query_lens)
     as_long = dict(dtype=torch.long)
-    tables = torch.tensor([list(t) + [0] * (max_blocks - len(t)) for t in block_tables], **as_long)  # (S, Bmax)
     n_keys = torch.tensor(context_lens, **as_long)[:, None]  # (S, 1)
     n_new = torch.tensor(query_lens, **as_long)[:, None]  # (S, 1)
     columns = torch.arange(max_context, **as_long)  # (Lmax,)
@@ -121,11 +146,10 @@ def _pad_group(block_tables, context_lens, query_lens, first_tokens, block_size)
     positions = positions.clamp(min=0)
     key_slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
     key_slots = key_slots.masked_fill(~keep, 0)  # (S, Lmax)
-    is_new = columns >= max_context - n_new  # (S, Lmax): the last n_new keys are this step's tokens
     query_rows = torch.arange(max_query, **as_long) >= max_query - n_new  # (S, Qmax), right-aligned
     token_index = torch.cat([torch.arange(f, f + n) for f, n in zip(first_tokens, query_lens, strict=True)])
     padded_index = query_rows.flatten().nonzero().squeeze(1)  # (n,) sequence by sequence, ascending
-    return (key_slots, keep, token_index, padded_index), key_slots[is_new], token_index
+    return key_slots, keep, token_index, padded_index
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -153,6 +177,9 @@ def paged_attention(
     `attend(q, k, v, key_padding_mask)` is a contiguous attention (causal, queries at the end of the keys),
     by default the naive reference; the model passes its own `Attend`, so the configured backend runs.
     Returns (N, H, D) in the order of q."""
+    if GATHERED not in meta.layouts:
+        raise ValueError(f"meta was built with layouts={meta.layouts}; paged_attention reads {GATHERED!r}: "
+                         "build the metadata with it")
     attend = attend or _naive
     N, H, D = q.shape
     out = q.new_empty(N, H, D)

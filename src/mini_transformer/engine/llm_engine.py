@@ -6,6 +6,8 @@
         for out in engine.step():          # RequestOutput(request_id, new_token_ids, finished, finish_reason)
             ...
     completions = engine.generate(list_of_prompt_id_lists, params)   # the same loop, with a progress bar
+    view = engine.snapshot()               # frozen: queues, block tables, the pool, stats (for a server)
+    handoff = engine.prefill_for_handoff(ids, params); other_engine.adopt_prefilled(handoff, params)  # PD
 
 Requests can be added and aborted between any two steps (continuous batching). Every public method
 takes one lock, so a server may call add_request / abort from one thread while another thread steps.
@@ -23,10 +25,13 @@ from tqdm import tqdm
 
 from ..sampling import SamplingParams
 from ..transformer import TransformerLM
+from . import handoff
 from .block_manager import BlockManager, blocks_for
+from .handoff import KVHandoff
 from .model_runner import ModelRunner, bytes_per_block
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
+from .snapshot import EngineSnapshot
 
 
 def _positive_int(name: str, value) -> int:
@@ -111,7 +116,8 @@ class LLMEngine:
         self._lock = threading.RLock()
         self.counters = dict(steps=0, prefill_tokens_computed=0, decode_tokens_computed=0,
                              prefix_cache_hit_tokens=0, preemptions=0, requests_finished=0,
-                             requests_aborted=0, max_batched_tokens_seen=0, mixed_steps=0)
+                             requests_aborted=0, requests_handed_off=0, max_batched_tokens_seen=0,
+                             mixed_steps=0)
 
     # ----------------------------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -121,16 +127,20 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         prompt, stops = self.check_request(prompt_token_ids, params)
         with self._lock:
-            if request_id is None:
-                request_id = str(next(self._ids))
-                while request_id in self.requests:
-                    request_id = str(next(self._ids))
-            elif not isinstance(request_id, str) or request_id in self.requests:
-                raise ValueError(f"request_id={request_id!r} must be a string not used by an unfinished request")
-            seq = Sequence(request_id, prompt, params, stops, arrival=next(self._arrivals), device=self.runner.device)
-            self.requests[request_id] = seq
+            seq = self._new_sequence(prompt, params, stops, request_id)
             self.scheduler.add(seq)
-        return request_id
+        return seq.request_id
+
+    def _new_sequence(self, prompt: list[int], params: SamplingParams, stops, request_id: str | None) -> Sequence:
+        if request_id is None:
+            request_id = str(next(self._ids))
+            while request_id in self.requests:
+                request_id = str(next(self._ids))
+        elif not isinstance(request_id, str) or request_id in self.requests:
+            raise ValueError(f"request_id={request_id!r} must be a string not used by an unfinished request")
+        seq = Sequence(request_id, prompt, params, stops, arrival=next(self._arrivals), device=self.runner.device)
+        self.requests[request_id] = seq
+        return seq
 
     def check_request(self, prompt_token_ids, params: SamplingParams) -> tuple[list[int], tuple[int, ...]]:
         """add_request's door checks, on their own: the prompt as a list and the ids that stop it, or
@@ -184,6 +194,34 @@ class LLMEngine:
             seq.finish("abort")
             self.counters["requests_aborted"] += 1
             return True
+
+    # ------------------------------------------------------------- prefill/decode disaggregation
+    def prefill_for_handoff(self, prompt_token_ids, params: SamplingParams | None = None) -> KVHandoff:
+        """Run one request's prompt until its first token is sampled and hand back what another engine
+        needs to decode it (see engine/handoff.py); the request then leaves this engine (its blocks
+        return to the pool, its prefix stays cached). The engine must have no other requests in flight."""
+        with self._lock:
+            return handoff.prefill(self, prompt_token_ids, SamplingParams() if params is None else params)
+
+    def kv_buffer(self, num_tokens: int) -> torch.Tensor:
+        """An empty (2, n_layer, num_tokens, Hkv, D) CPU tensor of the pool's dtype: where a receiver
+        puts the K/V of a handoff before adopt_prefilled."""
+        cfg = self.config
+        _positive_int("num_tokens", num_tokens)
+        return torch.empty(2, cfg.n_layer, num_tokens, cfg.n_kv_heads, cfg.d_head, dtype=self.runner.dtype)
+
+    def adopt_prefilled(self, kv_handoff: KVHandoff, params: SamplingParams | None = None,
+                        request_id: str | None = None) -> str:
+        """Take over a request another engine prefilled (prefill_for_handoff there, same params): its
+        prompt K/V go into blocks of this pool, its first token is appended, and it joins the running
+        batch, so the next steps decode it. Returns its request id here; the first token is not
+        reported again by step(). max_num_seqs does not hold it back: the caller paces what it hands over."""
+        params = SamplingParams() if params is None else params
+        with self._lock:
+            prompt, stops = handoff.check_handoff(self, kv_handoff, params)
+            seq = self._new_sequence(prompt, params, stops, request_id)
+            handoff.adopt(self, seq, kv_handoff)
+            return seq.request_id
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
@@ -290,6 +328,12 @@ class LLMEngine:
                 num_waiting=len(self.scheduler.waiting),
                 num_running=len(self.scheduler.running),
             )
+
+    def snapshot(self) -> EngineSnapshot:
+        """The queues, each request's block table, the pool block by block and stats(), all from one
+        moment (taken under the lock), as plain frozen data for a server's metrics and live page."""
+        with self._lock:
+            return EngineSnapshot.of(self.scheduler, self.block_manager, self.stats())
 
     def _slots_holding_tokens(self) -> int:
         """Slots of in-use blocks that hold a computed token (a shared block counts once)."""

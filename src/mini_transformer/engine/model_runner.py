@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.paged import PagedAttentionMetadata, paged_attention, write_kv
+from ..attention.paged import BLOCK_TABLE, GATHERED, PagedAttentionMetadata, paged_attention, write_kv
 from ..config import TransformerConfig
 from ..sampling import sample_next
 from ..transformer import TransformerLM
@@ -38,7 +38,8 @@ class PagedBatch:
         meta = self.meta
         write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), meta.slot_mapping)
         q = q[0].transpose(0, 1)  # (N, H, D)
-        if attend.backend == "triton":  # the kernel walks the block tables itself: no gathered copy
+        assert meta.layouts == (attention_layout(attend.backend),), "the runner built the other layout"
+        if meta.layouts == (BLOCK_TABLE,):  # the kernel walks the block tables itself: no gathered copy
             from ..attention.triton_paged import triton_paged_attention
 
             out = triton_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.token_seq, meta.token_pos,
@@ -46,6 +47,12 @@ class PagedBatch:
         else:
             out = paged_attention(q, k_cache, v_cache, meta, attend)  # (N, H, D)
         return out.transpose(0, 1)[None]  # (1, H, N, D)
+
+
+def attention_layout(backend: str) -> str:
+    """Which metadata layout a backend's paged attention reads: the Triton kernel walks the block tables
+    itself (BLOCK_TABLE); every other backend attends over keys gathered into padded groups (GATHERED)."""
+    return BLOCK_TABLE if backend == "triton" else GATHERED
 
 
 def bytes_per_block(cfg: TransformerConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -59,9 +66,26 @@ class ModelRunner:
         cfg = model.config
         weight = model.tok_emb.weight
         self.model, self.block_size = model, block_size
+        # decided once: the metadata of every step is built in the one layout this backend reads
+        self.attention_layout = attention_layout(cfg.attn_backend)
         self.device, self.dtype = weight.device, weight.dtype
         shape = (2, cfg.n_layer, num_blocks * block_size, cfg.n_kv_heads, cfg.d_head)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """(num_tokens,) the pool slots of a sequence's tokens 0 .. num_tokens-1, on the pool's device."""
+        bs = self.block_size
+        return torch.tensor([block_table[i // bs] * bs + i % bs for i in range(num_tokens)], device=self.device)
+
+    # copy_kv_out / copy_kv_in move a whole prefix through its block table, all layers at once (a PD
+    # handoff); paged.write_kv is the per-layer scatter of one step's new tokens through the slot mapping.
+    def copy_kv_out(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """A copy of the K/V of a sequence's first num_tokens tokens: (2, n_layer, num_tokens, Hkv, D)."""
+        return self.kv_cache[:, :, self.slots(block_table, num_tokens)].contiguous()  # dist.send needs contiguous
+
+    def copy_kv_in(self, block_table: list[int], kv: torch.Tensor) -> None:
+        """Put K/V (2, n_layer, P, Hkv, D) into the slots of a sequence's tokens 0 .. P-1."""
+        self.kv_cache[:, :, self.slots(block_table, kv.shape[2])] = kv.to(self.device)
 
     def execute_model(self, scheduled: list[tuple[Sequence, int]]) -> list[int | None]:
         """One forward pass for the scheduled (sequence, num_new_tokens) pairs. Returns, per pair, the
@@ -80,7 +104,7 @@ class ModelRunner:
                 samplers.append(seq)
         meta = PagedAttentionMetadata.build(
             [seq.block_table for seq, _ in scheduled], [seq.num_computed_tokens + n for seq, n in scheduled],
-            [n for _, n in scheduled], self.block_size, self.device,
+            [n for _, n in scheduled], self.block_size, self.device, layouts=(self.attention_layout,),
         )
         idx = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # (1, N)
         batch = PagedBatch(self.kv_cache, torch.tensor([positions], device=self.device), meta)

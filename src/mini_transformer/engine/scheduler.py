@@ -49,6 +49,13 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose prompt is computed already (handed over by another engine) joins the running
+        batch directly, as the newest; it holds its blocks."""
+        assert seq.block_table and seq.num_computed_tokens > 0
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -8,14 +8,16 @@
 Prefill is compute-bound (a whole prompt per weight read) and decode is bandwidth-bound (one token per
 weight read), so serving systems put them on different machines. Here each worker owns an LLMEngine:
 
-  rank 0  add the request, step its engine until the request's first token is sampled, then send
+  rank 0  `engine.prefill_for_handoff` steps its engine until the request's first token is sampled and
+          hands back a KVHandoff (the request then leaves that engine: its blocks return to the pool,
+          its prefix stays cached); rank 0 sends
           (1) a header: prompt length, first token, whether the request already finished;
           (2) the sequence's random-generator state (so seeded sampling continues the same stream);
-          (3) the K/V of every prompt token, gathered from its blocks: (2, n_layer, P, Hkv, D);
-          and abort the request there (its blocks return to the pool, its prefix stays cached).
-  rank 1  receive them, give the request blocks in ITS pool (the block tables differ between the two
-          engines: only the contents travel), write the K/V into those slots, mark the prompt computed,
-          append the first token, and put the request in the running queue; its steps then decode.
+          (3) the K/V of every prompt token, gathered from its blocks: (2, n_layer, P, Hkv, D).
+  rank 1  receives them and calls `engine.adopt_prefilled`: the request gets blocks in ITS pool (the
+          block tables differ between the two engines: only the contents travel), the K/V go into those
+          slots, the prompt counts as computed, the first token is appended, and the request joins the
+          running batch; its steps then decode.
 
 The transport is torch.distributed point-to-point (`send` / `recv`): the same code moves the blocks
 between machines (gloo over TCP, nccl over NVLink / InfiniBand), where shared memory would only work
@@ -29,8 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..engine import LLMEngine
-from ..engine.sequence import SequenceStatus
+from ..engine import KVHandoff, LLMEngine
 from ..sampling import SamplingParams
 from ..transformer import TransformerLM
 
@@ -49,34 +50,23 @@ def kv_bytes_formula(model: TransformerLM, prompt_len: int) -> int:
     return 2 * cfg.n_layer * prompt_len * cfg.n_kv_heads * cfg.d_head * model.tok_emb.weight.element_size()
 
 
-def _slots(block_table: list[int], n_tokens: int, block_size: int) -> torch.Tensor:
-    """The pool slots holding tokens 0 .. n_tokens-1: slot = block_id * block_size + offset."""
-    return torch.tensor([block_table[i // block_size] * block_size + i % block_size for i in range(n_tokens)])
-
-
 def _prefill_one(engine: LLMEngine, prompt: list[int], params: SamplingParams, dst: int) -> int:
-    request_id = engine.add_request(prompt, params)
-    seq = engine.requests[request_id]
-    first = None
-    while first is None:  # a long prompt may take several steps (chunked prefill)
-        first = next((out for out in engine.step() if out.request_id == request_id), None)
-    finished = int(first.finished)
-    state = seq.generator.get_state() if seq.generator is not None else torch.empty(0, dtype=torch.uint8)
-    header = torch.tensor([len(prompt), first.new_token_ids[0], finished, state.numel()], dtype=torch.long)
+    handoff = engine.prefill_for_handoff(prompt, params)
+    state = handoff.generator_state
+    state = torch.empty(0, dtype=torch.uint8) if state is None else state
+    header = torch.tensor([len(prompt), handoff.first_token, int(handoff.finished), state.numel()], dtype=torch.long)
     dist.send(header, dst)
     if state.numel():
         dist.send(state, dst)
-    if finished:  # nothing left to decode (EOS or max_tokens=1): its blocks are already freed
+    if handoff.finished:  # nothing left to decode (EOS or max_tokens=1): no K/V to send
         return 0
-    slots = _slots(seq.block_table, len(prompt), engine.block_size).to(engine.runner.device)
-    kv = engine.runner.kv_cache[:, :, slots].contiguous()  # (2, n_layer, P, Hkv, D)
-    dist.send(kv, dst)
-    engine.abort(request_id)
-    return kv.numel() * kv.element_size()
+    dist.send(handoff.kv, dst)
+    return handoff.kv_bytes
 
 
-def _receive_one(engine: LLMEngine, prompt: list[int], params: SamplingParams, src: int) -> tuple[str, int, int]:
-    """-> (request id, first token, K/V bytes). The request joins rank 1's engine as if it had prefilled there."""
+def _receive_one(engine: LLMEngine, prompt: list[int], params: SamplingParams, src: int) -> tuple[str | None, int, int]:
+    """-> (request id, first token, K/V bytes). The request joins rank 1's engine as if it had prefilled
+    there; one that ended at its first token does not join (request id None)."""
     header = torch.empty(4, dtype=torch.long)
     dist.recv(header, src)
     prompt_len, first, finished, state_len = header.tolist()
@@ -84,27 +74,13 @@ def _receive_one(engine: LLMEngine, prompt: list[int], params: SamplingParams, s
     state = torch.empty(state_len, dtype=torch.uint8)
     if state_len:
         dist.recv(state, src)
-    request_id = engine.add_request(prompt, params)
     if finished:
-        engine.abort(request_id)
-        return request_id, first, 0
-    seq = engine.requests[request_id]
-    cfg, runner, manager = engine.config, engine.runner, engine.block_manager
-    kv = torch.empty(2, cfg.n_layer, prompt_len, cfg.n_kv_heads, cfg.d_head, dtype=runner.dtype)
+        return None, first, 0
+    kv = engine.kv_buffer(prompt_len)  # (2, n_layer, P, Hkv, D)
     dist.recv(kv, src)
-    engine.scheduler.waiting.remove(seq)  # it skips the queue: its prompt is computed already
-    manager.admit(seq, [])
-    if not manager.allocate_slots(seq, prompt_len):
-        raise RuntimeError(f"the decode engine has no room for a {prompt_len}-token prompt; give it more blocks")
-    runner.kv_cache[:, :, _slots(seq.block_table, prompt_len, engine.block_size).to(runner.device)] = kv.to(
-        runner.device)
-    seq.num_computed_tokens = prompt_len
-    if seq.generator is not None:
-        seq.generator.set_state(state)
-    seq.append_token(first)
-    seq.status = SequenceStatus.RUNNING
-    engine.scheduler.running.append(seq)
-    return request_id, first, kv.numel() * kv.element_size()
+    handoff = KVHandoff(prompt_token_ids=tuple(prompt), first_token=first, finished=False, finish_reason=None,
+                        generator_state=state if state_len else None, kv=kv)
+    return engine.adopt_prefilled(handoff, params), first, handoff.kv_bytes
 
 
 def run_disaggregated(model: TransformerLM, prompts: list[list[int]], params: SamplingParams, *,
@@ -112,24 +88,28 @@ def run_disaggregated(model: TransformerLM, prompts: list[list[int]], params: Sa
     """Serve `prompts` with rank 0 prefilling and rank 1 decoding (call it on both, same arguments).
     Seeded or greedy sampling gives what one LLMEngine gives; unseeded sampling draws from each
     process's own global generator and cannot match."""
-    if not dist.is_initialized() or dist.get_world_size(group) != 2:
-        raise ValueError("run_disaggregated needs a torch.distributed group of exactly 2 ranks (prefill, decode)")
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-    rank = dist.get_rank(group)
     engine = LLMEngine(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max(1, len(prompts)))
+    for prompt in prompts:  # refused on both ranks before any message, or the decode rank would wait forever
+        engine.check_request(prompt, params)
+    if not dist.is_initialized() or dist.get_world_size(group) != 2:
+        raise ValueError("run_disaggregated needs a torch.distributed group of exactly 2 ranks (prefill, decode)")
+    rank = dist.get_rank(group)
     result = DisaggregatedResult()
     if rank == PREFILL_RANK:
         result.kv_bytes = [_prefill_one(engine, list(p), params, DECODE_RANK) for p in prompts]
         return result
-    outputs: dict[str, list[int]] = {}
-    order = []
+    completions: list[list[int]] = []
+    by_request: dict[str, list[int]] = {}  # the completions of the requests that joined rank 1's engine
     for prompt in prompts:
         request_id, first, nbytes = _receive_one(engine, list(prompt), params, PREFILL_RANK)
-        outputs[request_id], order = [first], [*order, request_id]
+        completions.append([first])
+        if request_id is not None:
+            by_request[request_id] = completions[-1]
         result.kv_bytes.append(nbytes)
     while engine.has_unfinished_requests():
         for out in engine.step():
-            outputs[out.request_id] += out.new_token_ids
-    result.completions = [outputs[request_id] for request_id in order]
+            by_request[out.request_id] += out.new_token_ids
+    result.completions = completions
     return result

@@ -28,7 +28,7 @@ import torch
 from ..sampling import SamplingParams
 from .metrics import ServerMetrics
 from .protocol import ErrorResponse
-from .state import engine_counts, engine_state
+from .state import engine_state
 
 STATE_INTERVAL_S = 0.1  # the engine state snapshot is rebuilt at most this often while busy
 RATE_WINDOW_S = 2.0  # tokens/s is measured over this trailing window
@@ -280,18 +280,16 @@ class EngineLoop:
         now = time.monotonic()
         if not force and now - self._state_time < STATE_INTERVAL_S:
             return
-        running, waiting = engine_counts(self.engine)
-        stats = self.engine.stats()
+        snapshot = self.engine.snapshot()  # frozen, and consistent: taken under the engine's lock
         m = self.metrics
-        m.running.set(running)
-        m.waiting.set(waiting)
-        m.num_blocks.set(stats["num_blocks"])
-        m.blocks_in_use.set(stats["blocks_in_use"])
-        m.preemptions.set(stats.get("preemptions", 0))
-        hit, computed = stats.get("prefix_cache_hit_tokens", 0), stats.get("prefill_tokens_computed", 0)
-        m.prefix_hit_rate.set(hit / (hit + computed) if hit + computed else 0.0)
-        state = engine_state(self.engine, {h.engine_id: h for h in self._active.values()})
+        m.running.set(snapshot.num_running)
+        m.waiting.set(snapshot.num_waiting)
+        m.num_blocks.set(snapshot.num_blocks)
+        m.blocks_in_use.set(snapshot.blocks_in_use)
+        m.preemptions.set(snapshot.stats["preemptions"])
+        m.prefix_hit_rate.set(snapshot.prefix_cache_hit_rate)
+        state = engine_state(snapshot, {h.engine_id: h for h in self._active.values()})
         state.update(time=time.time(), tokens_per_s=round(self._tokens_per_s(now), 2),
-                     tokens_generated=self._tokens_total, stats=stats)
+                     tokens_generated=self._tokens_total, stats=dict(snapshot.stats))
         with self._state_lock:
             self._state, self._state_time = state, now

@@ -1,0 +1,158 @@
+"""`mini-transformer sample`: continue prompts with a checkpoint, streamed (one prompt) or through the
+serving engine (several)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+
+def _add_sample(sub) -> None:
+    p = sub.add_parser("sample", help="continue prompts with a trained checkpoint (one streams; several run "
+                                      "through the serving engine)")
+    p.add_argument("--checkpoint", required=True, help="our checkpoint dir or a Hugging Face GPT-2/Llama dir")
+    p.add_argument("--prompt", action="append", default=[],
+                   help="text to continue; repeat it for several prompts (they run as one engine batch)")
+    p.add_argument("--prompts-file", help="a text file with one prompt per line (empty lines skipped)")
+    p.add_argument("--max-new-tokens", type=int, default=200,
+                   help="tokens to generate; past the model's context the window slides")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-cache", action="store_true", help="re-run the whole sequence every step (slow; to compare)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--compile", action="store_true",
+                   help="decode from a static cache with a step compiled once (the first call compiles)")
+    p.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantize every linear layer first")
+    p.add_argument("--group-size", type=int, default=64, help="int4 group size (with --quantize int4)")
+    p.add_argument("--draft-checkpoint", help="a small model sharing the tokenizer: speculative decoding")
+    p.add_argument("--prompt-lookup", action="store_true", help="speculative decoding with n-gram drafts from the text")
+    p.add_argument("--speculative-tokens", type=int, default=4, help="tokens drafted per target pass")
+    p.add_argument("--tensor-parallel", action="store_true",
+                   help="under torchrun: split heads, FFN and vocabulary over the ranks (rank 0 prints)")
+    p.set_defaults(func=_run_sample)
+
+
+class _TextStream:
+    """Print each step's new text as soon as it is known (the tokenizer's IncrementalDecoder: a trailing
+    window decoded per step, an unfinished character waits for the next token)."""
+
+    def __init__(self, tokenizer, out, prompt: str):
+        from ..tokenizer import IncrementalDecoder
+
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.out, self.prompt = out, prompt
+
+    def __call__(self, step_ids) -> None:
+        if not self.decoder.ids:  # the prompt is echoed once generation has really started (no error came first)
+            self.out.write(self.prompt)
+        self.out.write(self.decoder.add([int(step_ids[0])]))
+        self.out.flush()
+
+    def flush(self, final: bool = True) -> None:
+        self.out.write(self.decoder.add([], final=final))
+        self.out.flush()
+
+
+def _run_sample(args) -> None:
+    import torch
+
+    from ..checkpoint import resolve_checkpoint_dir
+    from ..generate import generate_long
+    from ..runtime import resolve_device
+    from ..sampling import SamplingParams
+    from ..tokenizer import load_tokenizer
+    from ..transformer import TransformerLM
+
+    prompts = _read_prompts(args)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens: max_new_tokens={args.max_new_tokens} must be a positive integer")
+    params = SamplingParams(
+        max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+    )
+    device = resolve_device(args.device)
+    checkpoint = resolve_checkpoint_dir(args.checkpoint)  # `best` is found even mid-save
+    model = _load_sample_model(args, checkpoint, device)  # verifies the manifest first
+    tokenizer = load_tokenizer(checkpoint)
+    out = sys.stdout
+    if args.tensor_parallel:  # every rank runs the same loop on its shard; only rank 0 prints
+        if len(prompts) > 1:
+            raise ValueError("--tensor-parallel continues one --prompt (several go through the engine, one process)")
+        if args.quantize or args.compile or args.draft_checkpoint or args.prompt_lookup:
+            raise ValueError("--tensor-parallel runs the plain model: leave out --quantize, --compile, "
+                             "--draft-checkpoint and --prompt-lookup")
+        from ..parallel.tp import shard_for_command_line
+
+        out = shard_for_command_line(model, device)
+    if len(prompts) > 1:
+        _sample_with_engine(model, tokenizer, prompts, params)
+        return
+    prompt_ids = tokenizer.encode(prompts[0])
+    if not prompt_ids:
+        raise ValueError("--prompt is empty; give at least one character of text to continue")
+    idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, T)
+    stream = _TextStream(tokenizer, out, prompts[0])
+    # past max_seq_len generate_long slides the context window (re-prefilling its second half)
+    draft = "prompt_lookup" if args.prompt_lookup else None
+    if args.draft_checkpoint:
+        draft = TransformerLM.from_pretrained(args.draft_checkpoint, device=device)
+    generate_long(model, idx, params, eos_token_id=tokenizer.eos_token_id, use_cache=not args.no_cache,
+                  stream=stream, compile=args.compile, draft_model=draft,
+                  num_speculative_tokens=args.speculative_tokens)
+    stream.flush()
+    out.write("\n")
+
+
+def _load_sample_model(args, checkpoint, device):
+    """The checkpoint (float, or quantized as saved by quantize.save_quantized), quantized if --quantize asks."""
+    from ..quantize import quantize
+    from ..transformer import TransformerLM
+
+    if args.draft_checkpoint and args.prompt_lookup:
+        raise ValueError("--draft-checkpoint and --prompt-lookup are two drafters; choose one")
+    model = TransformerLM.from_pretrained(checkpoint, device=device)
+    if not args.quantize:
+        return model
+    if getattr(model, "quantization", None):
+        raise ValueError(f"--checkpoint {args.checkpoint} is already quantized; drop --quantize")
+    return quantize(model, args.quantize, group_size=args.group_size)
+
+
+def _read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        try:
+            text = Path(args.prompts_file).read_text(encoding="utf-8")
+        except OSError as err:
+            raise ValueError(f"--prompts-file {args.prompts_file!r} cannot be read: {err.strerror}") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("give a prompt: --prompt TEXT (repeat it for several) or --prompts-file FILE")
+    return prompts
+
+
+def _sample_with_engine(model, tokenizer, prompts: list[str], params) -> None:
+    """Several prompts as one batch of requests in the serving engine; each prompt gets its own seed
+    (seed + i), so a completion does not depend on the others. The completions print in prompt order."""
+    from ..engine import LLMEngine
+
+    context = model.config.max_seq_len
+    ids, per_prompt = [], []
+    for i, prompt in enumerate(prompts):
+        prompt_ids = tokenizer.encode(prompt)
+        if not prompt_ids or len(prompt_ids) >= context:
+            raise ValueError(f"prompt {i + 1} ({prompt[:40]!r}) encodes to {len(prompt_ids)} tokens; the engine "
+                             f"needs 1 to {context - 1} (the model's max_seq_len is {context})")
+        room = min(params.max_tokens, context - len(prompt_ids))  # the engine does not slide past the context
+        seed = None if params.seed is None else params.seed + i
+        ids.append(prompt_ids)
+        per_prompt.append(dataclasses.replace(params, max_tokens=room, seed=seed))
+    engine = LLMEngine(model, eos_token_id=tokenizer.eos_token_id, max_num_seqs=max(1, len(prompts)))
+    for prompt, completion in zip(prompts, engine.generate(ids, per_prompt), strict=True):
+        sys.stdout.write(prompt + tokenizer.decode(completion) + "\n\n")
+    sys.stdout.flush()

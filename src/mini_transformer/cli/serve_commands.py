@@ -1,0 +1,59 @@
+"""`mini-transformer serve` (the OpenAI-compatible server) and `mini-transformer bench` (a script of
+benchmarks/)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (and a live page at /) on the engine")
+    p.add_argument("--checkpoint", required=True, help="our checkpoint dir or a Hugging Face GPT-2/Llama dir")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--kv-cache-bytes", type=int, help="memory for the KV block pool (default: the engine's)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests queued beyond that before 429")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args) -> None:
+    from ..server import build_context, serve
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} must be in [0, 65535]")
+    ctx = build_context(args.checkpoint, model_name=args.model_name, api_key=args.api_key,
+                        block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_waiting=args.max_waiting, device=args.device)
+    print(f"serving {ctx.model_name!r} on http://{args.host}:{args.port} (live page at /, API under /v1)",
+          flush=True)
+    serve(ctx, host=args.host, port=args.port, log_level=args.log_level)
+
+
+BENCHMARKS = ("decode", "attention", "train", "serving", "moe", "server")
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="run a script of benchmarks/ (from a clone of the repository)")
+    p.add_argument("name", choices=BENCHMARKS, help=" | ".join(BENCHMARKS))
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="passed on to the script (see its --help)")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args) -> None:
+    import runpy
+
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / f"bench_{args.name}.py"
+    if not script.is_file():
+        raise ValueError(f"no benchmark script at {script}: `bench` runs from a clone of the repository")
+    sys.argv = [str(script), *args.script_args]
+    runpy.run_path(str(script), run_name="__main__")
