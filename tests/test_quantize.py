@@ -114,7 +114,7 @@ def test_compiled_quantized_linears_take_the_fused_path():
 
 def test_compiled_quantized_decode_gives_the_eager_tokens():
     """generate(compile=True) on an int8 model, batch 1: the CPU decode backend (reductions, each linear's
-    input stored once for quantized weights) gives the same greedy tokens as the eager quantized model."""
+    input stored once for int8 weights) gives the same greedy tokens as the eager quantized model."""
     torch.manual_seed(0)
     cfg = TransformerConfig(vocab_size=40, d_model=32, n_heads=4, n_layer=2, d_ff=64, max_seq_len=64, init_std=0.2)
     model = quantize(TransformerLM(cfg).eval(), "int8")
