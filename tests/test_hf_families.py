@@ -168,3 +168,12 @@ def test_qwen_sliding_window_counts_only_when_switched_on(tmp_path):
 def write_and_edit(path, case, *, config=None, state=None):
     kind, values, _ = CASES[case]
     edit_files(path, hf_model(kind, values), config=config, state=state)
+
+
+def test_a_family_config_without_its_sizes_takes_the_family_defaults():
+    """A config.json missing max_position_embeddings / intermediate_size: 32k context and Mistral's d_ff
+    (Llama's own defaults, 2048 and 11008, are hf_import's)."""
+    from mini_transformer.hf_families import family_config
+
+    cfg = family_config({"architectures": ["MistralForCausalLM"]}, "mistral")
+    assert (cfg.max_seq_len, cfg.d_ff) == (32768, 14336)

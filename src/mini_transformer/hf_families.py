@@ -85,7 +85,7 @@ def family_config(raw: dict, family: str, **overrides) -> TransformerConfig:
     spec = FAMILIES[family]
     for key, expected, why in spec.required:
         _require(raw, key, expected, why)
-    values = llama_values(raw, max_seq_len=32768, d_ff=14336)  # defaults for a key missing from config.json
+    values = llama_values(raw, default_max_seq_len=32768, default_d_ff=14336)
     # no family here has Llama's bias switch (Qwen3's attention_bias must be False: `required`); the only
     # biases are a row's own switch (Qwen2's qkv_bias)
     values.update(max_seq_len=context_length(raw, spec, values["max_seq_len"]), bias=False, **spec.switches)
