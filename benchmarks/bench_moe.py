@@ -164,13 +164,13 @@ def loop_over_experts():
 
 def decode(args, vocab_size: int) -> list:
     """Dispatch alone (routed once beforehand), forward only, at decode shapes: (tokens, path, ms) rows."""
-    from mini_transformer.moe import gathers
+    from mini_transformer.moe import small_enough_to_gather
 
     torch.manual_seed(args.seed)
     moe = MoE(model_config("moe", vocab_size)).eval()
     rows = []
     for n_tokens in DECODE_TOKENS:
-        assert gathers(n_tokens, TOP_K, N_EXPERTS)  # the shapes at which the layer takes the gathered path
+        assert small_enough_to_gather(n_tokens, TOP_K, N_EXPERTS)  # the shapes where the layer may gather
         rows += [(n_tokens, label, ms) for label, ms in decode_times(moe, n_tokens, args.decode_reps)]
     print(f"\nMoE dispatch at decode shapes, forward, C={moe.router.in_features}, {N_EXPERTS} experts of d_ff "
           f"{moe.experts.w_up.weight.shape[1]}, top-{TOP_K}, median of {args.decode_reps}")

@@ -163,6 +163,13 @@ def test_unsupported_llama_configs(tmp_path, edit, message):
         TransformerLM.from_pretrained(tmp_path)
 
 
+def test_llama_config_without_its_sizes_takes_llamas_defaults():
+    from mini_transformer.hf_import import llama_config
+
+    cfg = llama_config({"architectures": ["LlamaForCausalLM"]})
+    assert (cfg.max_seq_len, cfg.d_ff) == (2048, 11008)
+
+
 def test_unsupported_gpt2_config(tmp_path):
     edit_files(tmp_path, tiny_gpt2(), config=lambda c: c.update(scale_attn_by_inverse_layer_idx=True))
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):

@@ -9,6 +9,8 @@ import torch
 from support import HF_VOCAB, edit_files, left_padded_batch, max_logit_diff, perturbed
 
 from mini_transformer import TransformerLM, generate
+from mini_transformer.hf_families import FAMILIES
+from mini_transformer.hf_import import ARCHITECTURES
 from mini_transformer.moe import MoE, load_balancing_loss
 
 transformers = pytest.importorskip("transformers")
@@ -48,6 +50,14 @@ def imported(case, path, backend="naive"):
     hf = hf_model(kind, values)
     hf.save_pretrained(path)
     return hf, TransformerLM.from_pretrained(path, attn_backend=backend)
+
+
+def test_every_family_has_one_row_and_a_case_here():
+    """hf_import maps architectures to family names, hf_families holds a row per family: they agree, and
+    every row is checked against Hugging Face by a case of CASES."""
+    families = set(ARCHITECTURES.values()) - {"gpt2", "llama"}
+    assert families == set(FAMILIES)
+    assert {ARCHITECTURES[f"{kind}ForCausalLM"] for kind, _, _ in CASES.values()} == families
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -158,3 +168,12 @@ def test_qwen_sliding_window_counts_only_when_switched_on(tmp_path):
 def write_and_edit(path, case, *, config=None, state=None):
     kind, values, _ = CASES[case]
     edit_files(path, hf_model(kind, values), config=config, state=state)
+
+
+def test_a_family_config_without_its_sizes_takes_the_family_defaults():
+    """A config.json missing max_position_embeddings / intermediate_size: 32k context and Mistral's d_ff
+    (Llama's own defaults, 2048 and 11008, are hf_import's)."""
+    from mini_transformer.hf_families import family_config
+
+    cfg = family_config({"architectures": ["MistralForCausalLM"]}, "mistral")
+    assert (cfg.max_seq_len, cfg.d_ff) == (32768, 14336)

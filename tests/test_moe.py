@@ -15,12 +15,12 @@ from mini_transformer.moe import (
     _grouped_mm_fits,
     dispatch,
     dispatch_gathered,
-    gathers,
     grouped_matmul,
     grouped_matmul_loop,
     load_balancing_loss,
     moe_per_token_reference,
     route,
+    small_enough_to_gather,
     tokens_per_expert,
 )
 
@@ -119,7 +119,7 @@ def test_small_batches_take_the_gathered_path_without_a_host_read(tokens, gather
     meta device, as on CUDA). A meta tensor has a shape and no values, so any read of a value (the loop's
     counts.tolist()) raises: the gathered path runs there, chosen from shapes alone, and the loop path
     cannot (which shows the check would catch a read)."""
-    assert gathers(tokens, 2, 4) == gathered
+    assert small_enough_to_gather(tokens, 2, 4) == gathered
     moe = MoE(moe_config()).to("meta")
     x = torch.randn(1, tokens, C, device="meta")
     if gathered:

@@ -20,12 +20,22 @@ class Codec:
         return "".join(chr(i) for i in ids)
 
 
-class RecordingLoop:
-    """Takes submissions and aborts and remembers them; the test plays the engine thread's part."""
+class Handle:
+    """What the engine loop's submit returns for one choice."""
 
-    def __init__(self):
+    done = False
+
+    def __init__(self, index):
+        self.index = index
+
+
+class RecordingLoop:
+    """Takes submissions and aborts and remembers them; the test plays the engine thread's part.
+    `accepts=False`: a submission is never answered with Accepted (the engine thread is gone)."""
+
+    def __init__(self, accepts=True):
         self.handles, self.aborted, self.reserved = [], [], 0
-        self.alive = True
+        self.alive, self.accepts = True, accepts
 
     def reserve(self, n):
         self.reserved += n
@@ -34,13 +44,10 @@ class RecordingLoop:
         self.reserved -= n
 
     def submit(self, prompt, params, outbox, index):
-        class Handle:
-            done = False
-
-        handle = Handle()
-        handle.index = index
+        handle = Handle(index)
         self.handles.append(handle)
-        outbox.put_nowait((index, Accepted()))
+        if self.accepts:
+            outbox.put_nowait((index, Accepted()))
         return handle
 
     def abort(self, handle):
@@ -78,18 +85,8 @@ def test_outputs_queued_together_are_merged_and_a_stopped_choice_ignores_late_ou
 
 def test_start_gives_up_with_503_when_the_engine_thread_is_gone():
     """Submitted, never accepted, and the engine thread has died: start() must end, not wait forever."""
-    loop = RecordingLoop()
-
-    def submit_into_the_void(prompt, params, outbox, index):
-        class Handle:
-            done = False
-
-        handle = Handle()
-        handle.index = index
-        loop.handles.append(handle)
-        return handle
-
-    loop.submit, loop.alive = submit_into_the_void, False
+    loop = RecordingLoop(accepts=False)
+    loop.alive = False
     gen = Generation(loop, Codec(), [[1]], [[SamplingParams(max_tokens=3)]], [])
 
     async def run():

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from .config import TransformerConfig
 from .hf_import import LLAMA_FFN_NAMES, Rule, _require, llama_rules, llama_values
 
-QWEN_FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
 QWEN3_NO_O_BIAS = ("attention_bias", False, "Qwen3's optional o_proj bias has no switch here")
 EVERY_LAYER_MOE = ("decoder_sparse_step", 1, "every layer is an MoE layer in our model")
 
@@ -35,6 +34,7 @@ class Family:
 
     switches: dict = field(default_factory=dict)  # our config fields the family fixes
     required: tuple = ()  # (config.json key, the one value we support, why)
+    window_needs_switch: bool = False  # sliding_window counts only if use_sliding_window is true (Qwen)
     moe: bool = False  # an MoE FFN in every layer
     moe_block: str = "mlp"  # the layer's module that holds the router (`gate`) and the `experts`
     expert_names: tuple = LLAMA_FFN_NAMES  # (our expert matrix, the checkpoint's name for it)
@@ -44,25 +44,24 @@ class Family:
 
 FAMILIES = {
     "mistral": Family(),
-    "qwen2": Family(switches=dict(qkv_bias=True)),
-    "qwen3": Family(switches=dict(qk_norm=True), required=(QWEN3_NO_O_BIAS,)),
+    "qwen2": Family(switches=dict(qkv_bias=True), window_needs_switch=True),
+    "qwen3": Family(switches=dict(qk_norm=True), required=(QWEN3_NO_O_BIAS,), window_needs_switch=True),
     "mixtral": Family(moe=True, moe_block="block_sparse_moe", renormalize=True,  # w1 = gate, w3 = up, w2 = down
                       expert_names=(("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2"))),
-    "qwen3_moe": Family(switches=dict(qk_norm=True), moe=True, expert_d_ff_key="moe_intermediate_size",
-                        required=(QWEN3_NO_O_BIAS, EVERY_LAYER_MOE)),
+    "qwen3_moe": Family(switches=dict(qk_norm=True), required=(QWEN3_NO_O_BIAS, EVERY_LAYER_MOE),
+                        window_needs_switch=True, moe=True, expert_d_ff_key="moe_intermediate_size"),
 }
 
 
-def context_length(raw: dict, family: str) -> int:
-    """max_position_embeddings, cut to the sliding window when one is in use.
+def context_length(raw: dict, spec: Family, max_len: int) -> int:
+    """max_len (config.json's max_position_embeddings), cut to the sliding window when one is in use.
 
     Mistral v0.1 and Qwen (with use_sliding_window) let each query see only the last `sliding_window`
     keys. Up to that length a sliding window changes nothing, so we import the model with
     max_seq_len = the window and stay exact; beyond it we would need a banded mask we do not have.
     """
-    max_len = raw.get("max_position_embeddings", 32768)
     window = raw.get("sliding_window")
-    if family in QWEN_FAMILIES and not raw.get("use_sliding_window", False):
+    if spec.window_needs_switch and not raw.get("use_sliding_window", False):
         window = None  # Qwen configs carry a window size even when it is switched off
     return min(max_len, window) if window else max_len
 
@@ -86,9 +85,10 @@ def family_config(raw: dict, family: str, **overrides) -> TransformerConfig:
     spec = FAMILIES[family]
     for key, expected, why in spec.required:
         _require(raw, key, expected, why)
-    values = llama_values(raw, max_seq_len=32768, d_ff=14336)
-    # none of these has Llama's attention_bias/mlp_bias pair: biases come only from the family's switches
-    values.update(max_seq_len=context_length(raw, family), bias=False, **spec.switches)
+    values = llama_values(raw, default_max_seq_len=32768, default_d_ff=14336)
+    # no family here has Llama's bias switch (Qwen3's attention_bias must be False: `required`); the only
+    # biases are a row's own switch (Qwen2's qkv_bias)
+    values.update(max_seq_len=context_length(raw, spec, values["max_seq_len"]), bias=False, **spec.switches)
     if spec.moe:
         values.update(_moe_values(raw, spec))
     return TransformerConfig.from_dict({**values, **overrides})

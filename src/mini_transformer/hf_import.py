@@ -86,10 +86,10 @@ def llama_rope_theta(raw: dict) -> float:
 LLAMA_FFN_NAMES = (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))  # ours, Llama's
 
 
-def llama_values(raw: dict, max_seq_len: int = 2048, d_ff: int = 11008) -> dict:
+def llama_values(raw: dict, default_max_seq_len: int = 2048, default_d_ff: int = 11008) -> dict:
     """Our config fields for Llama's block (RoPE, RMSNorm, SwiGLU, GQA) from a config.json dict. The
-    families of hf_families.py start from these too; `max_seq_len` and `d_ff` are the defaults for a
-    missing key. head_dim is None when it is d_model / n_heads."""
+    families of hf_families.py start from these too; the two defaults stand in for a missing
+    max_position_embeddings / intermediate_size. head_dim is None when it is d_model / n_heads."""
     _require(raw, "hidden_act", "silu", "the SwiGLU gate is silu")
     d_model, n_heads = raw.get("hidden_size", 4096), raw.get("num_attention_heads", 32)
     head_dim = raw.get("head_dim") or d_model // n_heads
@@ -100,7 +100,8 @@ def llama_values(raw: dict, max_seq_len: int = 2048, d_ff: int = 11008) -> dict:
     return dict(
         vocab_size=raw.get("vocab_size", 32000), d_model=d_model, n_heads=n_heads,
         n_kv_heads=raw.get("num_key_value_heads") or n_heads, n_layer=raw.get("num_hidden_layers", 32),
-        max_seq_len=raw.get("max_position_embeddings", max_seq_len), d_ff=raw.get("intermediate_size", d_ff),
+        max_seq_len=raw.get("max_position_embeddings", default_max_seq_len),
+        d_ff=raw.get("intermediate_size", default_d_ff),
         pos_emb="rope", rope_theta=llama_rope_theta(raw), norm="rmsnorm", norm_eps=raw.get("rms_norm_eps", 1e-6),
         ffn="swiglu", bias=bool(attention_bias), tie_weights=raw.get("tie_word_embeddings", False),
         attn_pdrop=float(raw.get("attention_dropout", 0.0)),

@@ -152,7 +152,7 @@ def dispatch_gathered(x: torch.Tensor, weights: torch.Tensor, experts: torch.Ten
     return (rows * weights.unsqueeze(-1).to(rows.dtype)).sum(dim=1).to(x.dtype)  # (N, C)
 
 
-def gathers(n_tokens: int, k: int, n_experts: int) -> bool:
+def small_enough_to_gather(n_tokens: int, k: int, n_experts: int) -> bool:
     """Whether a batch is small enough for dispatch_gathered: N*k <= n_experts (decode). Its copy then
     holds at most n_experts expert weights, as many as the layer has, and it saves the sort, n_experts
     small matmuls and the host sync; past that the copy grows with N while the sorted path reads each
@@ -185,12 +185,14 @@ class MoE(nn.Module):
         return (out + self._shared(x)).view(shape) if self.shared_expert is not None else out.view(shape)
 
     def _takes_gathered_path(self, x: torch.Tensor) -> bool:
-        """A small batch (`gathers`) whose sorted path would read the group sizes back to the host: the
-        loop over experts (CUDA, float64). Where the grouped kernel runs (CPU fp32/bf16) the sorted path
-        reads nothing back and is the faster one (bench_moe.py --decode-reps). Expert parallelism swaps in
-        its own experts, which send rows between ranks: they keep the sorted path. Shapes, dtypes and
-        devices decide, never a tensor's values."""
-        if not isinstance(self.experts, Experts) or not gathers(x.shape[0], self.top_k, self.experts.n_experts):
+        """A small batch (`small_enough_to_gather`) whose sorted path would read the group sizes back to
+        the host: the loop over experts (CUDA, float64). Where the grouped kernel runs (CPU fp32/bf16) the
+        sorted path reads nothing back and is the faster one (bench_moe.py --decode-reps). Expert
+        parallelism swaps in its own experts, which send rows between ranks: they keep the sorted path.
+        Shapes, dtypes and devices decide, never a tensor's values."""
+        if not isinstance(self.experts, Experts):
+            return False
+        if not small_enough_to_gather(x.shape[0], self.top_k, self.experts.n_experts):
             return False
         first = self.experts.w_gate if self.experts.gated else self.experts.fc1
         return not _grouped_mm_fits(x, first.weight)

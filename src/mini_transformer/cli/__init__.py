@@ -1,8 +1,8 @@
 """`mini-transformer train | sample | serve | bench | trace | info`: the command line.
 
-One module per group of commands (sample_command.py, train_command.py, serve_commands.py: serve and
-bench); the two commands that only look at a config, `info` and `trace`, and what every command shares
-(the parser, the one-line errors and their exit codes) stay here. `python -m mini_transformer.cli` runs __main__.py.
+One module per command (sample_command.py, train_command.py, serve_command.py, bench_command.py); the
+two commands that only look at a config, `info` and `trace`, and what every command shares (the parser,
+the one-line errors and their exit codes) stay here. `python -m mini_transformer.cli` runs __main__.py.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import argparse
 import sys
 
 from ..config import PRESETS
+from .bench_command import BENCHMARKS, _add_bench
 from .options import config_from_args, parse_overrides
 from .sample_command import _add_sample, _TextStream
-from .serve_commands import BENCHMARKS, _add_bench, _add_serve
+from .serve_command import _add_serve
 from .train_command import DEFAULT_TRAIN_PRESET, _add_train, train_configs_from_args
 
 __all__ = ["BENCHMARKS", "DEFAULT_TRAIN_PRESET", "build_parser", "config_from_args", "main", "parse_overrides",

@@ -137,11 +137,8 @@ def completion_response(rid: str, model: str, choices: list[dict], use: dict) ->
 
 def completion_chunk(rid: str, model: str, created: int, index: int, text: str, finish_reason: str | None,
                      with_usage: bool) -> dict:
-    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
-    if with_usage:  # OpenAI sends "usage": null on every chunk but the last when include_usage is on
-        chunk["usage"] = None
-    return chunk
+    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return _stream_chunk(rid, "text_completion", model, created, choice, with_usage)
 
 
 def chat_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
@@ -153,9 +150,14 @@ def chat_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
 
 def chat_chunk(rid: str, model: str, created: int, index: int, delta: dict, finish_reason: str | None,
                with_usage: bool) -> dict:
-    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-    if with_usage:
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return _stream_chunk(rid, "chat.completion.chunk", model, created, choice, with_usage)
+
+
+def _stream_chunk(rid: str, obj: str, model: str, created: int, choice: dict, with_usage: bool) -> dict:
+    """One streamed chunk of either endpoint: the envelope around the one choice it carries."""
+    chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    if with_usage:  # OpenAI sends "usage": null on every chunk but the last when include_usage is on
         chunk["usage"] = None
     return chunk
 

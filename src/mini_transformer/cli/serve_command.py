@@ -1,11 +1,6 @@
-"""`mini-transformer serve` (the OpenAI-compatible server) and `mini-transformer bench` (a script of
-benchmarks/)."""
+"""`mini-transformer serve`: the OpenAI-compatible HTTP server (and its live page) on the engine."""
 
 from __future__ import annotations
-
-import argparse
-import sys
-from pathlib import Path
 
 
 def _add_serve(sub) -> None:
@@ -37,23 +32,3 @@ def _run_serve(args) -> None:
     print(f"serving {ctx.model_name!r} on http://{args.host}:{args.port} (live page at /, API under /v1)",
           flush=True)
     serve(ctx, host=args.host, port=args.port, log_level=args.log_level)
-
-
-BENCHMARKS = ("decode", "attention", "train", "serving", "moe", "server")
-
-
-def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="run a script of benchmarks/ (from a clone of the repository)")
-    p.add_argument("name", choices=BENCHMARKS, help=" | ".join(BENCHMARKS))
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="passed on to the script (see its --help)")
-    p.set_defaults(func=_run_bench)
-
-
-def _run_bench(args) -> None:
-    import runpy
-
-    script = Path(__file__).resolve().parents[3] / "benchmarks" / f"bench_{args.name}.py"
-    if not script.is_file():
-        raise ValueError(f"no benchmark script at {script}: `bench` runs from a clone of the repository")
-    sys.argv = [str(script), *args.script_args]
-    runpy.run_path(str(script), run_name="__main__")
