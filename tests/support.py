@@ -84,3 +84,20 @@ def max_logit_diff(hf_model, ours, ids, mask=None) -> float:
         got, _ = ours(ids, attention_mask=mask)
     real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
     return (got - expected)[real].abs().max().item()
+
+
+def padded_prompts(pad_lengths: list[int], prompt_len: int, vocab: int,
+                   pad_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids (B, prompt_len) and a mask (1 = real) with pad_lengths[b] leading zeros in row b.
+    With `pad_id`, padded slots hold pad_id and real slots never do (as a tokenizer's padding would)."""
+    if pad_id is None:
+        idx = torch.randint(0, vocab, (len(pad_lengths), prompt_len))
+    else:  # vocab - 1 ids, shifted past pad_id
+        idx = torch.randint(0, vocab - 1, (len(pad_lengths), prompt_len))
+        idx += idx >= pad_id
+    mask = torch.ones(len(pad_lengths), prompt_len, dtype=torch.long)
+    for row, n_pad in enumerate(pad_lengths):
+        mask[row, :n_pad] = 0
+    if pad_id is not None:
+        idx = idx.masked_fill(mask == 0, pad_id)
+    return idx, mask

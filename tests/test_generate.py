@@ -3,6 +3,7 @@ same imported weights, EOS per row, streaming, seeds, and errors raised before a
 
 import pytest
 import torch
+from support import padded_prompts
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
 
@@ -18,14 +19,6 @@ def small_model(pos_emb="learned", n_kv_heads=None, backend="naive", max_seq_len
     return TransformerLM(cfg).eval()
 
 
-def padded_prompts(pad_lengths, prompt_len, vocab=VOCAB, pad_id=0):
-    idx = torch.randint(1, vocab, (len(pad_lengths), prompt_len))
-    mask = torch.ones_like(idx)
-    for row, n_pad in enumerate(pad_lengths):
-        mask[row, :n_pad] = 0
-    return idx.masked_fill(mask == 0, pad_id), mask
-
-
 class ForwardCounter:
     def __init__(self, model):
         self.calls = 0
@@ -39,7 +32,7 @@ class ForwardCounter:
 @pytest.mark.parametrize("pos_emb, n_kv_heads", [("learned", None), ("rope", 2), ("rope", 1)])
 def test_greedy_with_cache_equals_without(pos_emb, n_kv_heads, backend):
     model = small_model(pos_emb, n_kv_heads, backend)
-    idx, mask = padded_prompts([0, 2, 5], prompt_len=6)
+    idx, mask = padded_prompts([0, 2, 5], prompt_len=6, vocab=VOCAB, pad_id=0)
     with_cache = generate(model, idx, 16, attention_mask=mask)
     without = generate(model, idx, 16, attention_mask=mask, use_cache=False)
     assert with_cache.shape == (3, 16)
@@ -49,7 +42,7 @@ def test_greedy_with_cache_equals_without(pos_emb, n_kv_heads, backend):
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
 def test_left_padded_batch_equals_each_row_alone(pos_emb):
     model = small_model(pos_emb, n_kv_heads=2)
-    idx, mask = padded_prompts([0, 3, 5], prompt_len=6)
+    idx, mask = padded_prompts([0, 3, 5], prompt_len=6, vocab=VOCAB, pad_id=0)
     batch = generate(model, idx, 12, attention_mask=mask)
     for row in range(3):
         alone = generate(model, idx[row:row + 1, mask[row].argmax():], 12)
@@ -58,7 +51,7 @@ def test_left_padded_batch_equals_each_row_alone(pos_emb):
 
 def test_sampling_with_cache_equals_without_for_the_same_seed():
     model = small_model("rope", n_kv_heads=2).double()  # float64: cached and uncached probabilities agree to 1e-15
-    idx, mask = padded_prompts([1, 0], prompt_len=5)
+    idx, mask = padded_prompts([1, 0], prompt_len=5, vocab=VOCAB, pad_id=0)
     kwargs = dict(temperature=1.2, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.3, attention_mask=mask)
     a = generate(model, idx, 15, generator=torch.Generator().manual_seed(3), **kwargs)
     b = generate(model, idx, 15, use_cache=False, generator=torch.Generator().manual_seed(3), **kwargs)
@@ -75,7 +68,7 @@ def test_same_seed_same_sample_other_seed_other_sample():
 
 def test_eos_stops_each_row_separately_and_pads_with_eos():
     model = small_model("rope")
-    idx, mask = padded_prompts([0, 2, 4], prompt_len=5)
+    idx, mask = padded_prompts([0, 2, 4], prompt_len=5, vocab=VOCAB, pad_id=0)
     free = generate(model, idx, 20, attention_mask=mask)
     eos = int(free[0, 3])  # a token row 0 produces at step 3 (maybe earlier too; maybe elsewhere in other rows)
     stopped = generate(model, idx, 20, attention_mask=mask, eos_token_id=eos)
@@ -100,7 +93,7 @@ def test_loop_ends_once_every_row_has_stopped():
 
 def test_stream_receives_each_steps_tokens():
     model = small_model()
-    idx, mask = padded_prompts([0, 1], prompt_len=4)
+    idx, mask = padded_prompts([0, 1], prompt_len=4, vocab=VOCAB, pad_id=0)
     seen = []
     out = generate(model, idx, 7, attention_mask=mask, stream=lambda ids: seen.append(ids.clone()))
     assert len(seen) == 7 and all(s.shape == (2,) for s in seen)
@@ -203,7 +196,7 @@ def hf_greedy(hf, idx, mask, n, **kwargs):
 def test_greedy_matches_hugging_face_generate(hf_pair, pad_lengths):
     hf, ours = hf_pair
     torch.manual_seed(1)
-    idx, mask = padded_prompts(pad_lengths, prompt_len=8)
+    idx, mask = padded_prompts(pad_lengths, prompt_len=8, vocab=VOCAB, pad_id=0)
     expected = hf_greedy(hf, idx, mask, 20)
     assert torch.equal(generate(ours, idx, 20, attention_mask=mask), expected)
     assert torch.equal(generate(ours, idx, 20, attention_mask=mask, use_cache=False), expected)

@@ -5,6 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import padded_prompts
 
 from mini_transformer import KVCache, TransformerConfig, TransformerLM
 
@@ -19,15 +20,6 @@ def small_model(pos_emb="learned", n_kv_heads=None, backend="naive", max_seq_len
         init_std=0.2,  # larger weights than usual: logits that differ visibly from token to token
     )
     return TransformerLM(cfg).eval()
-
-
-def left_padded_batch(pad_lengths: list[int], prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random ids (B, prompt_len) and a mask with pad_lengths[b] leading zeros in row b."""
-    idx = torch.randint(0, VOCAB, (len(pad_lengths), prompt_len))
-    mask = torch.ones(len(pad_lengths), prompt_len, dtype=torch.long)
-    for row, n_pad in enumerate(pad_lengths):
-        mask[row, :n_pad] = 0
-    return idx, mask
 
 
 def check_cached_equals_recompute(model, idx, mask, n_steps, chunk=1, atol=1e-5):
@@ -57,20 +49,21 @@ def check_cached_equals_recompute(model, idx, mask, n_steps, chunk=1, atol=1e-5)
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
 def test_cached_decode_equals_full_recompute_left_padded(pos_emb, n_kv_heads, backend):
     model = small_model(pos_emb, n_kv_heads, backend)
-    idx, mask = left_padded_batch([0, 3, 6], prompt_len=7)
+    idx, mask = padded_prompts([0, 3, 6], prompt_len=7, vocab=VOCAB)
     check_cached_equals_recompute(model, idx, mask, n_steps=10)
 
 
 @pytest.mark.parametrize("pos_emb", ["sinusoidal", "none"])
 def test_cached_decode_other_position_schemes(pos_emb):
-    check_cached_equals_recompute(small_model(pos_emb), *left_padded_batch([2, 0], prompt_len=5), n_steps=6)
+    idx, mask = padded_prompts([2, 0], prompt_len=5, vocab=VOCAB)
+    check_cached_equals_recompute(small_model(pos_emb), idx, mask, n_steps=6)
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
 def test_chunked_prefill_equals_full_recompute(pos_emb):
     """Several tokens per cached call (chunked prefill / speculative-style steps) follow the same rule."""
     model = small_model(pos_emb, n_kv_heads=2)
-    check_cached_equals_recompute(model, *left_padded_batch([1, 4], prompt_len=6), n_steps=12, chunk=4)
+    check_cached_equals_recompute(model, *padded_prompts([1, 4], prompt_len=6, vocab=VOCAB), n_steps=12, chunk=4)
 
 
 @settings(max_examples=8, deadline=None)
@@ -82,12 +75,12 @@ def test_chunked_prefill_equals_full_recompute(pos_emb):
 def test_cached_decode_random_padding(pad_lengths, pos_emb, backend):
     torch.manual_seed(len(pad_lengths))
     model = small_model(pos_emb, n_kv_heads=2, backend=backend)
-    check_cached_equals_recompute(model, *left_padded_batch(pad_lengths, prompt_len=6), n_steps=5)
+    check_cached_equals_recompute(model, *padded_prompts(pad_lengths, prompt_len=6, vocab=VOCAB), n_steps=5)
 
 
 def test_float64_cache_matches_to_machine_precision():
     model = small_model("rope", n_kv_heads=2).double()
-    idx, mask = left_padded_batch([0, 2], prompt_len=5)
+    idx, mask = padded_prompts([0, 2], prompt_len=5, vocab=VOCAB)
     cache = KVCache.for_model(model.config, 2, 12, dtype=torch.float64)
     assert cache.k.dtype == torch.float64
     with torch.no_grad():
@@ -171,7 +164,7 @@ def test_mismatched_cache_raises_before_any_work(cache_args, message):
 
 def test_reset_makes_the_cache_reusable():
     model = small_model("rope", n_kv_heads=2)
-    idx, mask = left_padded_batch([2, 0], prompt_len=5)
+    idx, mask = padded_prompts([2, 0], prompt_len=5, vocab=VOCAB)
     cache = KVCache.for_model(model.config, 2, 10)
     with torch.no_grad():
         first, _ = model(idx, attention_mask=mask, cache=cache)

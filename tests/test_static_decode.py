@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import padded_prompts
 
 from mini_transformer import KVCache, TransformerConfig, TransformerLM, generate
 from mini_transformer.static_cache import StaticCache, _one_query_attention, _one_row_addmm, _one_row_mm
@@ -26,14 +27,6 @@ def small_model(pos_emb="learned", n_kv_heads=None, backend="naive", max_seq_len
     return TransformerLM(cfg).to(dtype).eval()
 
 
-def padded_prompt(pad_lengths, prompt_len):
-    idx = torch.randint(0, VOCAB, (len(pad_lengths), prompt_len))
-    mask = torch.ones(len(pad_lengths), prompt_len, dtype=torch.long)
-    for row, n_pad in enumerate(pad_lengths):
-        mask[row, :n_pad] = 0
-    return idx, mask
-
-
 @settings(max_examples=12, deadline=None)
 @given(
     pads=st.lists(st.integers(0, 4), min_size=1, max_size=3),
@@ -49,7 +42,7 @@ def test_static_cache_logits_equal_kv_cache(pads, prompt_len, n_steps, spare, po
     never-written slots at the end) against KVCache, step by step."""
     pads = [min(p, prompt_len - 1) for p in pads]  # every row ends with a real token
     model = small_model(pos_emb, n_kv_heads, backend)
-    idx, mask = padded_prompt(pads, prompt_len)
+    idx, mask = padded_prompts(pads, prompt_len, vocab=VOCAB)
     B = idx.shape[0]
     max_len = prompt_len + n_steps + spare
     static = StaticCache.for_model(model.config, B, max_len, dtype=torch.float64)
@@ -82,7 +75,7 @@ def test_single_token_prompt_goes_through_the_static_step():
 
 def test_reset_reuses_the_slabs():
     model = small_model()
-    idx, mask = padded_prompt([2, 0], 4)
+    idx, mask = padded_prompts([2, 0], 4, vocab=VOCAB)
     cache = StaticCache.for_model(model.config, 2, 8, dtype=torch.float64)
     k_storage = cache.k[0].data_ptr()
     with torch.no_grad():
@@ -148,7 +141,7 @@ def test_compiled_decode_compiles_once_and_matches_eager(compiled_setup):
     """200 decode steps of a padded batch: the tokens equal the eager path's, and the whole run (and a
     second batch of the same shapes) adds exactly one graph — the first step's — with no recompilation."""
     model = compiled_setup
-    idx, mask = padded_prompt([3, 0], 5)
+    idx, mask = padded_prompts([3, 0], 5, vocab=VOCAB)
     before = graphs_compiled()
     recompiles_before = torch._dynamo.utils.counters["recompiles"].total()
     got = generate(model, idx, N_NEW, attention_mask=mask, compile=True)
@@ -157,7 +150,7 @@ def test_compiled_decode_compiles_once_and_matches_eager(compiled_setup):
     want = generate(model, idx, N_NEW, attention_mask=mask)
     assert torch.equal(got, want)
 
-    other, other_mask = padded_prompt([0, 4], 5)  # new values, same shapes: the same graph runs
+    other, other_mask = padded_prompts([0, 4], 5, vocab=VOCAB)  # new values, same shapes: the same graph runs
     got = generate(model, other, N_NEW, attention_mask=other_mask, compile=True)
     assert torch.equal(got, generate(model, other, N_NEW, attention_mask=other_mask))
     assert graphs_compiled() == after_first
@@ -167,7 +160,7 @@ def test_compiled_decode_compiles_once_and_matches_eager(compiled_setup):
 def test_compiled_padding_does_not_change_a_row(compiled_setup):
     """A row's tokens are the same alone (no padding) and left-padded inside a batch, compiled."""
     model = compiled_setup
-    idx, mask = padded_prompt([3, 0], 5)
+    idx, mask = padded_prompts([3, 0], 5, vocab=VOCAB)
     alone = generate(model, idx[:1, 3:], 20)  # the padded row's 2 real tokens, unpadded, eager
     batch = generate(model, idx, N_NEW, attention_mask=mask, compile=True)
     assert torch.equal(batch[:1, :20], alone)
