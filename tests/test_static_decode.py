@@ -218,6 +218,34 @@ def test_compiled_batch_of_one_runs_its_matmuls_as_reductions(compiled_setup):
     assert torch.equal(got, generate(model, idx, N_NEW))
 
 
+def test_cpu_decode_backend_settings_stay_inside_its_compile():
+    """The backend's options (FX-graph and AOT caches off, the int8 stored-input threshold, the one-row
+    decompositions) belong to the decode step's compile alone: after an int8 compiled decode, inductor's
+    and functorch's global settings and inductor's decomposition table are what they were, and a plain
+    torch.compile of a one-row linear in the same process still calls aten's addmm (training with
+    compile=True, HF's compiled forward and user code get inductor as it was)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.utils import run_and_get_code
+
+    from mini_transformer.quantize import quantize
+
+    before = (inductor_config.get_config_copy(), functorch_config.get_config_copy(), dict(select_decomp_table()))
+    torch.manual_seed(0)  # a layout no other test compiles (d_model 24), so this call compiles here
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=24, n_heads=2, n_layer=1, d_ff=48, max_seq_len=16)
+    model = quantize(TransformerLM(cfg).eval(), "int8")
+    _, code = run_and_get_code(generate, model, torch.randint(0, VOCAB, (1, 3)), 3, compile=True)
+    assert code, "the int8 decode step was not compiled here"
+    after = (inductor_config.get_config_copy(), functorch_config.get_config_copy(), dict(select_decomp_table()))
+    assert after == before
+
+    weight, bias = torch.randn(40, 32), torch.randn(40)
+    plain = torch.compile(lambda x: torch.nn.functional.linear(x, weight, bias), fullgraph=True, dynamic=False)
+    _, code = run_and_get_code(plain, torch.randn(1, 32))
+    assert any("extern_kernels.addmm(" in c for c in code), "a plain compile got the decode backend's GEMV"
+
+
 def test_sample_cli_compile_flag_reaches_generate(tmp_path, capsys, monkeypatch):
     """`sample --compile` asks generate for compile=True (the compiled path itself is tested above)."""
     import importlib
