@@ -15,7 +15,8 @@ per weight: the ceiling is  memory bandwidth / bytes read per token.  This scrip
     perplexity on held-out text: fp32, int8, int4
     speculative decoding with the draft, and prompt lookup on a repetitive and on a plain prompt,
     against plain cached greedy decoding of the same prompt (outputs checked identical)
-(bench_decode.py keeps the stage-3 question: cached vs uncached decode vs Hugging Face.)
+(bench_decode.py keeps the stage-3 question: cached vs uncached decode vs Hugging Face; the bandwidth, byte
+counts and plot live in decode_roofline.py beside this script.)
 
     python benchmarks/bench_decode_speed.py --data /work/shared/data/tinyshakespeare.txt --plot roofline.png
     python benchmarks/bench_decode_speed.py --parts speed --models char --new-tokens 128
@@ -35,12 +36,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn as nn
+from decode_roofline import kv_bytes_per_slot, measure_bandwidth, plot_roofline, synchronize, weight_bytes
 from tqdm import tqdm
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
-from mini_transformer.layers import RMSNorm
-from mini_transformer.quantize import Int4Linear, Int8Linear, quantize
+from mini_transformer.quantize import quantize
 from mini_transformer.speculative import SpeculativeStats, speculative_generate
 from mini_transformer.static_cache import static_length
 
@@ -81,46 +81,6 @@ def parse_args(argv=None):
         args.parts, args.models, args.new_tokens, args.repeats = ["speed"], ["char"], 128, 2
         args.methods = [m for m in args.methods if m != "int4"]
     return args
-
-
-def synchronize(device: str) -> None:
-    """Wait for the device's queued work, so a timer read after it sees the whole run (no-op on the CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-# ------------------------------------------------------------------------------------ the roofline
-def measure_bandwidth(device: str = "cpu", mbytes: int = 256, repeats: int = 5) -> tuple[float, float]:
-    """(copy, read) bytes per second over a 256 MB tensor on `device`, each the best of `repeats`, at the
-    current thread count. copy = dst.copy_(src), counted as read + write; read = src.sum(), reading only,
-    as a decode step reads its weights. The ceiling uses the read figure (a copy also pays for its writes)."""
-    src = torch.ones(mbytes * 2**20 // 4, device=device)
-    dst = torch.empty_like(src)
-    best_copy = best_read = float("inf")
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        synchronize(device)
-        best_copy = min(best_copy, time.perf_counter() - start)
-        start = time.perf_counter()
-        src.sum()
-        synchronize(device)
-        best_read = min(best_read, time.perf_counter() - start)
-    return 2 * src.nbytes / best_copy, src.nbytes / best_read
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of weights one decode step reads: every linear (quantized or not, scales included), every
-    norm, and one row of each embedding table (a tied head is counted once, as the head)."""
-    layers = (nn.Linear, Int8Linear, Int4Linear, nn.LayerNorm, RMSNorm)
-    total = sum(t.nbytes for m in model.modules() if isinstance(m, layers) for t in m.state_dict().values())
-    rows = 1 + (model.pos_emb is not None)
-    return total + rows * model.config.d_model * model.tok_emb.weight.element_size()
-
-
-def kv_bytes_per_slot(cfg: TransformerConfig, element_size: int = 4) -> int:
-    return 2 * cfg.n_layer * cfg.n_kv_heads * cfg.d_head * element_size  # k and v, every layer
 
 
 # ------------------------------------------------------------------------------------------ speed
@@ -178,21 +138,11 @@ def run_speed(name: str, args, bandwidth: float) -> list[dict]:
     ours, hf = build_pair(name, T + n_new, args.device)
     runners = {m: r for m, r in speed_runners(ours, hf, args.group_size).items() if m in args.methods}
     idx = torch.randint(1, ours.config.vocab_size, (1, T), device=args.device)
-    first = {}
-    for m in tqdm(runners, desc=f"{name}: warm-up and compile", unit="method"):
-        first[m] = runners[m][1](idx, n_new if m in COMPILED_METHODS else 8)[:, :8]
+    functions = {m: run for m, (_, run) in runners.items()}
+    first, seconds = time_methods(functions, idx, n_new, args.repeats, args.device, name)
     for m in ("hf", "hf-static", "compiled"):
         if m in first and "eager" in first and not torch.equal(first[m], first["eager"]):
             raise SystemExit(f"{name}: {m} produced other greedy tokens than eager: {first[m]} vs {first['eager']}")
-    seconds = dict.fromkeys(runners, float("inf"))
-    jobs = [m for _ in range(args.repeats) for m in runners]  # methods take turns: load changes hit all
-    for m in tqdm(jobs, desc=f"{name}: timed runs", unit="run"):
-        with torch.inference_mode():
-            synchronize(args.device)
-            start = time.perf_counter()
-            runners[m][1](idx, n_new)
-            synchronize(args.device)
-            seconds[m] = min(seconds[m], time.perf_counter() - start)
     for m in args.profile:
         if m in runners:
             profile_run(f"{name} {m}", lambda: runners[m][1](idx, n_new))  # noqa: B023
@@ -207,6 +157,28 @@ def run_speed(name: str, args, bandwidth: float) -> list[dict]:
         rows.append(dict(model=name, method=m, tok_s=tok_s, bytes=read, weights=weight_bytes(model),
                          ceiling=bandwidth / read, share=tok_s * read / bandwidth))
     return rows
+
+
+@torch.inference_mode()
+def time_methods(functions: dict, idx: torch.Tensor, n_new: int, repeats: int, device: str, name: str = ""):
+    """(first 8 tokens of each method's warm-up, best seconds of `repeats` timed runs each).
+
+    Warm-up and timed runs share one grad mode, inference mode: a compiled forward guards on it (an
+    inference tensor has other dispatch keys), so warming up outside it made HF's static compiled forward
+    recompile (and, on cuda, record new CUDA graphs) inside the first timed run. Compiled methods warm up
+    at the timed length: a static cache of another length would be another graph."""
+    first = {}
+    for m in tqdm(functions, desc=f"{name}: warm-up and compile", unit="method"):
+        first[m] = functions[m](idx, n_new if m in COMPILED_METHODS else 8)[:, :8]
+    seconds = dict.fromkeys(functions, float("inf"))
+    jobs = [m for _ in range(repeats) for m in functions]  # methods take turns: load changes hit all
+    for m in tqdm(jobs, desc=f"{name}: timed runs", unit="run"):
+        synchronize(device)
+        start = time.perf_counter()
+        functions[m](idx, n_new)
+        synchronize(device)
+        seconds[m] = min(seconds[m], time.perf_counter() - start)
+    return first, seconds
 
 
 def profile_run(title: str, fn, top: int = 8) -> None:
@@ -230,30 +202,6 @@ def print_speed(rows: list[dict]) -> None:
         print(f"{row['model']:>5} | {row['method']:>9} | {row['tok_s']:>8.1f} | {row['bytes'] / 1e6:>8.2f} | "
               f"{row['weights'] / 1e6:>10.2f} | {row['ceiling']:>13.0f} | {row['share']:>6.1%} | "
               f"{ratio['hf']:>5} | {ratio['hf-static']:>11} | {ratio['compiled']:>10}")
-
-
-def plot_roofline(rows: list[dict], bandwidth: float, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    xs = [r["bytes"] for r in rows]
-    span = torch.logspace(torch.log10(torch.tensor(min(xs) / 2)), torch.log10(torch.tensor(max(xs) * 2)), 50)
-    ax.plot(span, bandwidth / span, "k--", label=f"ceiling: {bandwidth / 1e9:.1f} GB/s / bytes per token")
-    for r in rows:
-        marker = "o" if r["model"] == "char" else "s"
-        ax.scatter(r["bytes"], r["tok_s"], marker=marker, label=f"{r['model']} {r['method']} ({r['share']:.0%})")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("bytes read per token")
-    ax.set_ylabel("tokens / s")
-    ax.set_title("batch-1 greedy decode against the memory-bandwidth ceiling")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot written to {path}")
 
 
 # ----------------------------------------------------------------------------------------- tricks

@@ -1,0 +1,77 @@
+"""The roofline of batch-1 decoding, for bench_decode_speed.py: the machine's memory bandwidth, the bytes
+one decode step reads, and the plot of tokens/s against bytes per token under the ceiling
+bandwidth / bytes per token."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+
+from mini_transformer import TransformerConfig
+from mini_transformer.layers import RMSNorm
+from mini_transformer.quantize import Int4Linear, Int8Linear
+
+
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work, so a timer read after it sees the whole run (no-op on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_bandwidth(device: str = "cpu", mbytes: int = 256, repeats: int = 5) -> tuple[float, float]:
+    """(copy, read) bytes per second over a 256 MB tensor on `device`, each the best of `repeats`, at the
+    current thread count. copy = dst.copy_(src), counted as read + write; read = src.sum(), reading only,
+    as a decode step reads its weights. The ceiling uses the read figure (a copy also pays for its writes)."""
+    src = torch.ones(mbytes * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    best_copy = best_read = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best_copy = min(best_copy, time.perf_counter() - start)
+        start = time.perf_counter()
+        src.sum()
+        synchronize(device)
+        best_read = min(best_read, time.perf_counter() - start)
+    return 2 * src.nbytes / best_copy, src.nbytes / best_read
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: every linear (quantized or not, scales included), every
+    norm, and one row of each embedding table (a tied head is counted once, as the head)."""
+    layers = (nn.Linear, Int8Linear, Int4Linear, nn.LayerNorm, RMSNorm)
+    total = sum(t.nbytes for m in model.modules() if isinstance(m, layers) for t in m.state_dict().values())
+    rows = 1 + (model.pos_emb is not None)
+    return total + rows * model.config.d_model * model.tok_emb.weight.element_size()
+
+
+def kv_bytes_per_slot(cfg: TransformerConfig, element_size: int = 4) -> int:
+    return 2 * cfg.n_layer * cfg.n_kv_heads * cfg.d_head * element_size  # k and v, every layer
+
+
+def plot_roofline(rows: list[dict], bandwidth: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [r["bytes"] for r in rows]
+    span = torch.logspace(torch.log10(torch.tensor(min(xs) / 2)), torch.log10(torch.tensor(max(xs) * 2)), 50)
+    ax.plot(span, bandwidth / span, "k--", label=f"ceiling: {bandwidth / 1e9:.1f} GB/s / bytes per token")
+    for r in rows:
+        marker = "o" if r["model"] == "char" else "s"
+        ax.scatter(r["bytes"], r["tok_s"], marker=marker, label=f"{r['model']} {r['method']} ({r['share']:.0%})")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("bytes read per token")
+    ax.set_ylabel("tokens / s")
+    ax.set_title("batch-1 greedy decode against the memory-bandwidth ceiling")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
