@@ -157,6 +157,29 @@ def test_compiled_decode_compiles_once_and_matches_eager(compiled_setup):
     assert torch._dynamo.utils.counters["recompiles"].total() == recompiles_before
 
 
+def test_a_cache_marked_static_is_made_once_and_reset_for_each_call(monkeypatch):
+    """On cuda the cache's tensors are marked static: the step's CUDA graph replays their addresses, and a
+    new address makes cudagraph trees record the graph again (past 128 such records in a process it gives
+    CUDA graphs up for the step). A fresh cache per generate() call did that on every call. Emulated on the
+    CPU with the marking switched on: three calls of one shape make ONE cache, and each call (padded,
+    padded otherwise, unpadded) still gives the eager tokens, so the reset between calls is complete."""
+    from mini_transformer import static_cache
+
+    monkeypatch.setattr(static_cache, "marks_static_addresses", lambda device: True)
+    monkeypatch.setattr(static_cache, "_SHARED_CACHES", {}, raising=False)
+    made = []
+    make = StaticCache.__init__
+    monkeypatch.setattr(StaticCache, "__init__", lambda self, *args, **kw: made.append(self) or make(self, *args, **kw))
+    torch.manual_seed(0)
+    model = TransformerLM(TransformerConfig(vocab_size=VOCAB, d_model=40, n_heads=2, n_layer=1, d_ff=40,
+                                            max_seq_len=16)).eval()
+    for pads in ([2, 0], [0, 1], [0, 0]):
+        idx, mask = padded_prompts(pads, 4, vocab=VOCAB)
+        want = generate(model, idx, 6, attention_mask=mask)
+        assert torch.equal(generate(model, idx, 6, attention_mask=mask, compile=True), want)
+    assert len(made) == 1
+
+
 def test_compiled_padding_does_not_change_a_row(compiled_setup):
     """A row's tokens are the same alone (no padding) and left-padded inside a batch, compiled."""
     model = compiled_setup

@@ -148,10 +148,10 @@ def generate(
         if use_cache:
             dtype = model.tok_emb.weight.dtype
             if compile:  # fixed shapes: every decode step runs the same compiled graph
-                from .static_cache import StaticCache, compiled_decode_step, static_length
+                from .static_cache import compiled_decode_step, decode_cache, static_length
 
                 max_len = static_length(T + n_new, model.config.max_seq_len)
-                cache = StaticCache.for_model(model.config, B, max_len, dtype=dtype, device=device)
+                cache = decode_cache(model.config, B, max_len, dtype=dtype, device=device)
                 step_fn = compiled_decode_step(device)
             else:
                 cache = KVCache.for_model(model.config, B, T + n_new, dtype=dtype, device=device)

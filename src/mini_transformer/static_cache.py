@@ -26,7 +26,13 @@ from collections.abc import Callable
 
 import torch
 
+from .config import TransformerConfig
 from .kv_cache import Attend, SlabCache
+
+
+def marks_static_addresses(device: torch.device | str) -> bool:
+    """Whether a cache on `device` marks its tensors as never moving (CUDA graphs replay fixed addresses)."""
+    return torch.device(device).type == "cuda"
 
 
 class StaticCache(SlabCache):
@@ -50,7 +56,7 @@ class StaticCache(SlabCache):
         self.slots = torch.arange(max_len, device=device)  # (max_len,)
         self.prefix_len = 0  # slots [0, prefix_len) written by the eager prefill
         self.prefix_has_padding = False
-        if torch.device(device).type == "cuda":  # CUDA graphs replay fixed addresses: say these never move
+        if marks_static_addresses(device):  # CUDA graphs replay fixed addresses: say these never move
             for t in (*self.k, *self.v, self.key_padding_mask, self.next_position, self.input_pos, self.slots):
                 torch._dynamo.mark_static_address(t)
 
@@ -110,6 +116,26 @@ class StaticCache(SlabCache):
         v_all.index_copy_(2, write_pos, v)
         visible = self.key_padding_mask & (self.slots <= write_pos)  # (B, max_len): written, not padding
         return attend(q, k_all, v_all, visible)
+
+
+_SHARED_CACHES: dict[tuple, StaticCache] = {}
+
+
+def decode_cache(cfg: TransformerConfig, batch_size: int, max_len: int, *, dtype: torch.dtype,
+                 device: torch.device | str) -> StaticCache:
+    """generate(compile=True)'s cache. Where its tensors are marked static (cuda), the step's CUDA graph
+    replays their addresses and a new address makes cudagraph trees record the graph again (after 128
+    such records in a process they give up CUDA graphs for the step); there, every call of the same shapes
+    gets ONE cache, reset in place, as gpt-fast sets its caches up once. So two generate(compile=True)
+    calls of one shape must not run at the same time on cuda. Elsewhere a fresh cache per call."""
+    if not marks_static_addresses(device):
+        return StaticCache.for_model(cfg, batch_size, max_len, dtype=dtype, device=device)
+    key = (cfg.n_layer, batch_size, max_len, cfg.n_kv_heads, cfg.d_head, dtype, torch.device(device))
+    if key in _SHARED_CACHES:
+        _SHARED_CACHES[key].reset()
+    else:
+        _SHARED_CACHES[key] = StaticCache.for_model(cfg, batch_size, max_len, dtype=dtype, device=device)
+    return _SHARED_CACHES[key]
 
 
 def _decode_one(model, token: torch.Tensor, cache: StaticCache) -> torch.Tensor:
