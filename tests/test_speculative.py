@@ -5,8 +5,6 @@ leaves the cache as if the rejected tokens had never been written."""
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from mini_transformer import KVCache, SamplingParams, TransformerConfig, TransformerLM, generate
 from mini_transformer.speculative import (
@@ -109,10 +107,11 @@ def test_first_two_tokens_follow_the_targets_distribution(drafter):
     assert chi_square_p_value(counts, joint) > ALPHA
 
 
-@settings(max_examples=5, deadline=None)
-@given(seed=st.integers(0, 10_000))
+@pytest.mark.parametrize("seed", range(5))
 def test_acceptance_rule_is_exact_for_random_distributions(seed):
-    """The rule alone, 4000 draws, one drafted position: the output token ~ p, whatever q is."""
+    """The rule alone, 4000 draws, one drafted position: the output token ~ p, whatever q is. Fixed seeds,
+    not hypothesis': each seed fixes the draws too, so hypothesis searching 10,001 seeds found one of the
+    ~10 that fail at ALPHA (seed 535, p = 0.00037) and its database then replayed it on every run."""
     gen = torch.Generator().manual_seed(seed)
     vocab = 5
     p = torch.softmax(torch.randn(2, vocab, generator=gen) * 2, dim=-1)
