@@ -126,8 +126,9 @@ def decode_cache(cfg: TransformerConfig, batch_size: int, max_len: int, *, dtype
     """generate(compile=True)'s cache. Where its tensors are marked static (cuda), the step's CUDA graph
     replays their addresses and a new address makes cudagraph trees record the graph again (after 128
     such records in a process they give up CUDA graphs for the step); there, every call of the same shapes
-    gets ONE cache, reset in place, as gpt-fast sets its caches up once. So two generate(compile=True)
-    calls of one shape must not run at the same time on cuda. Elsewhere a fresh cache per call."""
+    gets ONE cache, reset in place, as gpt-fast sets its caches up once, and kept for the process's life
+    (one per shape: slab lengths are multiples of 128, so few). So two generate(compile=True) calls of one
+    shape must not run at the same time on cuda. Elsewhere a fresh cache per call."""
     if not marks_static_addresses(device):
         return StaticCache.for_model(cfg, batch_size, max_len, dtype=dtype, device=device)
     key = (cfg.n_layer, batch_size, max_len, cfg.n_kv_heads, cfg.d_head, dtype, torch.device(device))
