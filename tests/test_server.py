@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_support import make_char_checkpoint, offline_greedy, running_server
+from server_support import make_char_checkpoint, offline_greedy, running_server, slowed_engine
 
 from mini_transformer.server.text import DEFAULT_CHAT_TEMPLATE
 
@@ -206,16 +206,17 @@ def test_disconnect_mid_stream_aborts_and_frees_the_blocks(served):
     aborted = metric(served, 'mini_transformer_requests_finished_total{finish_reason="abort"}') \
         if 'finish_reason="abort"' in served.http.get("/metrics").text else 0.0
     body = {"model": MODEL, "prompt": "Leave early", "max_tokens": 360, "temperature": 0, "stream": True}
-    with httpx.Client(base_url=served.url, timeout=30) as client, client.stream("POST", "/v1/completions",
-                                                                                json=body) as response:
+    # slowed: the request must still run when the client leaves (unslowed it lasts ~0.3 s on an idle machine)
+    with slowed_engine(served), httpx.Client(base_url=served.url, timeout=30) as client, \
+            client.stream("POST", "/v1/completions", json=body) as response:
         lines = response.iter_lines()  # held: dropping a half-read iterator closes the connection
         next(line for line in lines if line.startswith("data: "))  # the first token came
-        deadline = time.monotonic() + 10  # the gauges refresh every STATE_INTERVAL_S while busy
+        deadline = time.monotonic() + 60  # the gauges refresh every STATE_INTERVAL_S while busy
         while metric(served, "mini_transformer_kv_blocks_in_use") == 0:
             assert time.monotonic() < deadline, "no blocks in use while the request runs"
             time.sleep(0.02)
     # leaving the `with` closed the connection mid-stream
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while metric(served, "mini_transformer_kv_blocks_in_use") > 0:
         assert time.monotonic() < deadline, "blocks still held after the client left"
         time.sleep(0.05)
@@ -253,7 +254,7 @@ def test_api_key_401(tmp_path):
 def test_too_many_waiting_429(tmp_path):
     make_char_checkpoint(tmp_path, max_seq_len=384)
     with running_server(tmp_path, model_name=MODEL, num_blocks=256, block_size=4, max_num_seqs=1,
-                        max_waiting=0) as server:
+                        max_waiting=0) as server, slowed_engine(server):  # the long one must still run
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
         body = {"model": MODEL, "prompt": "Long one", "max_tokens": 370, "temperature": 0, "stream": True}
         with httpx.Client(base_url=server.url, timeout=30) as http, http.stream("POST", "/v1/completions",

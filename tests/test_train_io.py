@@ -235,6 +235,7 @@ def killed_saves(save, out, cases) -> None:
         process.join(timeout=60)
         if process.is_alive():
             process.kill()
+            process.join()  # without it exitcode may still read None: SIGKILL is not instant
         assert process.exitcode in (-signal.SIGKILL, 0), f"kill point {kill_at}: exit code {process.exitcode}"
         if process.exitcode == 0:
             break
