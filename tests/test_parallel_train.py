@@ -2,6 +2,8 @@
 activation checkpointing against the plain backward pass."""
 
 import os
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,11 +34,26 @@ def common_args(corpus) -> list[str]:
             "--warmup-steps", "2", "--eval-interval", "10", "--device", "cpu"]
 
 
-def fsdp_ten_steps_then_resume_to_twenty(rank: int, world_size: int, corpus, out: str, resume_port: int) -> None:
+def agree_on_a_fresh_port(rank: int, path: Path, timeout: float = 120.0) -> int:
+    """Rank 0 picks a free port now and writes it to `path`; the others read it. Picked just before the
+    second rendezvous (not when the test starts, 30 s earlier), so nothing else has time to take it."""
+    if rank == 0:
+        partial = path.with_suffix(".partial")
+        partial.write_text(str(free_port()))
+        partial.rename(path)  # atomic: a reader never sees half a number
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"rank {rank}: no port in {path} after {timeout} s"
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def fsdp_ten_steps_then_resume_to_twenty(rank: int, world_size: int, corpus, out: str) -> None:
     """Run on each rank with torchrun's environment: `train --fsdp` for 10 steps, then --resume to 20."""
     code = main(["train", *common_args(corpus), "--fsdp", "--batch-size", "2", "--max-steps", "10", "--out", out])
     assert code == 0, f"first run exited with {code}"
-    os.environ["MASTER_PORT"] = str(resume_port)  # a fresh rendezvous for the second process group
+    port = agree_on_a_fresh_port(rank, Path(out + ".resume-port"))
+    os.environ["MASTER_PORT"] = str(port)  # a fresh rendezvous for the second process group
     assert main(["train", "--resume", out, "--fsdp", "--max-steps", "20"]) == 0
 
 
@@ -44,7 +61,7 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_exactly(corpus, tmp_path):
     """2 ranks x batch 2 with FSDP (10 steps, saved, resumed to 20) == 1 process x batch 4, 20 steps."""
     out = str(tmp_path / "fsdp")
     # ~29 s at load 4.5 on 2 cores; the timeout is a bound for a far busier machine
-    run_processes(fsdp_ten_steps_then_resume_to_twenty, 2, args=(corpus, out, free_port()), timeout=300,
+    run_processes(fsdp_ten_steps_then_resume_to_twenty, 2, args=(corpus, out), timeout=300,
                   backend=None)
     assert main(["train", *common_args(corpus), "--batch-size", "4", "--max-steps", "20",
                  "--out", str(tmp_path / "one")]) == 0
