@@ -95,11 +95,13 @@ class ModelRunner:
         positions: list[int] = []
         last_rows: list[int] = []  # row of the packed batch whose logits pick each sampling sequence's token
         samplers: list[Sequence] = []
+        samples: list[bool] = []  # per pair: does this chunk reach the sequence's last token?
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             input_ids += seq.tokens[start:start + n]
             positions += range(start, start + n)
-            if start + n == seq.num_tokens:
+            samples.append(start + n == seq.num_tokens)
+            if samples[-1]:
                 last_rows.append(len(input_ids) - 1)
                 samplers.append(seq)
         meta = PagedAttentionMetadata.build(
@@ -112,7 +114,7 @@ class ModelRunner:
         logits, _ = self.model(idx, cache=batch, logits_at=rows, check=False)  # (1, M, V): sampled rows only
         next_ids = self.sample(logits[0], samplers).tolist() if samplers else []  # the one host read
         tokens = iter(next_ids)
-        return [next(tokens) if seq.num_computed_tokens + n == seq.num_tokens else None for seq, n in scheduled]
+        return [next(tokens) if sampled else None for sampled in samples]
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """(M, V) logits -> (M,) ids. Plain greedy rows share one argmax; every other row samples on its
