@@ -17,7 +17,7 @@ import torch
 from ..attention.paged import BLOCK_TABLE, GATHERED, PagedAttentionMetadata, paged_attention, write_kv
 from ..config import TransformerConfig
 from ..sampling import sample_next
-from ..transformer import TransformerLM
+from ..transformer import Attend, TransformerLM
 from .sequence import Sequence
 
 
@@ -38,7 +38,7 @@ class PagedBatch:
         meta = self.meta
         write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), meta.slot_mapping)
         q = q[0].transpose(0, 1)  # (N, H, D)
-        assert meta.layouts == (attention_layout(attend.backend),), "the runner built the other layout"
+        # meta holds the one layout the model's backend reads (ModelRunner checked the backend once)
         if meta.layouts == (BLOCK_TABLE,):  # the kernel walks the block tables itself: no gathered copy
             from ..attention.triton_paged import triton_paged_attention
 
@@ -68,6 +68,8 @@ class ModelRunner:
         self.model, self.block_size = model, block_size
         # decided once: the metadata of every step is built in the one layout this backend reads
         self.attention_layout = attention_layout(cfg.attn_backend)
+        assert all(m.backend == cfg.attn_backend for m in model.modules() if isinstance(m, Attend)), \
+            "every layer must attend with the configured backend: the step metadata has its layout only"
         self.device, self.dtype = weight.device, weight.dtype
         shape = (2, cfg.n_layer, num_blocks * block_size, cfg.n_kv_heads, cfg.d_head)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
