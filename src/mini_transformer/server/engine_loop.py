@@ -220,24 +220,15 @@ class EngineLoop:
                 handle.first_token_at = now
                 self.metrics.ttft.observe(now - handle.arrival)
             handle.n_output += len(new_ids)
-            reason = None
             if out.finished:
-                reason = self._finish_reason(out, handle)
                 del self._active[out.request_id]
-                self._observe_finished(handle, reason, now)
-            batch.append((handle, StepOutput(new_ids, out.finished, reason)))
+                self._observe_finished(handle, out.finish_reason, now)
+            batch.append((handle, StepOutput(new_ids, out.finished, out.finish_reason)))
         if batch:  # every handle lives on the server's one event loop
             batch[0][0].loop.call_soon_threadsafe(_put_all, batch)
         self.metrics.generation_tokens.inc(produced)
         self._tokens_total += produced
         self._recent_tokens.append((now, produced))
-
-    @staticmethod
-    def _finish_reason(out, handle: RequestHandle) -> str:
-        reason = getattr(out, "finish_reason", None)
-        if reason in ("stop", "length", "abort"):
-            return reason
-        return "length" if handle.n_output >= handle.params.max_tokens else "stop"
 
     def _observe_finished(self, handle: RequestHandle, reason: str, now: float) -> None:
         self.metrics.finished.labels(reason).inc()
