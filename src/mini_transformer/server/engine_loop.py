@@ -214,7 +214,7 @@ class EngineLoop:
             handle = self._active.get(out.request_id)
             if handle is None:  # aborted while the step ran
                 continue
-            new_ids = [int(t) for t in out.new_token_ids]
+            new_ids = out.new_token_ids  # plain ints already: the runner read them back with .tolist()
             produced += len(new_ids)
             if new_ids and handle.first_token_at is None:
                 handle.first_token_at = now
