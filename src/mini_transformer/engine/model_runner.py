@@ -100,7 +100,7 @@ class ModelRunner:
         samples: list[bool] = []  # per pair: does this chunk reach the sequence's last token?
         for seq, n in scheduled:
             start = seq.num_computed_tokens
-            input_ids += seq.tokens[start:start + n]
+            input_ids += seq.tokens_between(start, start + n)
             positions += range(start, start + n)
             samples.append(start + n == seq.num_tokens)
             if samples[-1]:
