@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
 from mini_transformer.engine import LLMEngine
+from mini_transformer.engine.sequence import Sequence
 
 VOCAB = 50
 
@@ -313,3 +314,14 @@ def test_moe_model_through_the_engine(monkeypatch):
     assert engine.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False) == [alone(moe, p, 8) for p in prompts]
     assert engine.stats()["mixed_steps"] > 0 and engine.stats()["blocks_in_use"] == 0
     assert paths["dispatch"] > 0 and paths["dispatch_gathered"] > 0, paths
+
+
+@pytest.mark.parametrize("prompt_len, output_len", [(1, 0), (3, 0), (1, 3), (4, 2)])
+def test_tokens_between_is_the_slice_of_the_whole_token_list(prompt_len, output_len):
+    seq = Sequence("r", list(range(prompt_len)), SamplingParams(max_tokens=8), (), arrival=0,
+                   device=torch.device("cpu"))
+    seq.output_token_ids = list(range(100, 100 + output_len))
+    total = prompt_len + output_len
+    for start in range(total + 1):
+        for end in range(start, total + 2):
+            assert seq.tokens_between(start, end) == seq.tokens[start:end], (start, end)

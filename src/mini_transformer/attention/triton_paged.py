@@ -17,16 +17,11 @@ import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = tl = None
+# triton (or None without it), the jit that degrades to a no-op, the masked-score constant and the
+# interpreter check are triton_flash's: one import of triton for both kernels
+from .triton_flash import MASKED, _jit, _kernels_are_interpreted, tl, triton
 
 __all__ = ["triton_paged_attention"]
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
-MASKED = tl.constexpr(-1.0e30) if tl is not None else -1.0e30
 
 
 @_jit
@@ -60,10 +55,6 @@ def _paged_kernel(Q, K, V, O, BLOCK_TABLES, TOKEN_SEQ, TOKEN_POS,
         m = m_new
     out = acc / l  # l >= 1: the token always sees at least itself
     tl.store(O + token * stride_qt + h * stride_qh + dims, out.to(O.dtype.element_ty), mask=dim_ok)
-
-
-def _kernels_are_interpreted() -> bool:
-    return type(_paged_kernel).__name__ == "InterpretedFunction"
 
 
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

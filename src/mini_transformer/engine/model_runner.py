@@ -17,7 +17,7 @@ import torch
 from ..attention.paged import BLOCK_TABLE, GATHERED, PagedAttentionMetadata, paged_attention, write_kv
 from ..config import TransformerConfig
 from ..sampling import sample_next
-from ..transformer import TransformerLM
+from ..transformer import Attend, TransformerLM
 from .sequence import Sequence
 
 
@@ -38,7 +38,7 @@ class PagedBatch:
         meta = self.meta
         write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), meta.slot_mapping)
         q = q[0].transpose(0, 1)  # (N, H, D)
-        assert meta.layouts == (attention_layout(attend.backend),), "the runner built the other layout"
+        # meta holds the one layout the model's backend reads (ModelRunner checked the backend once)
         if meta.layouts == (BLOCK_TABLE,):  # the kernel walks the block tables itself: no gathered copy
             from ..attention.triton_paged import triton_paged_attention
 
@@ -68,6 +68,8 @@ class ModelRunner:
         self.model, self.block_size = model, block_size
         # decided once: the metadata of every step is built in the one layout this backend reads
         self.attention_layout = attention_layout(cfg.attn_backend)
+        assert all(m.backend == cfg.attn_backend for m in model.modules() if isinstance(m, Attend)), \
+            "every layer must attend with the configured backend: the step metadata has its layout only"
         self.device, self.dtype = weight.device, weight.dtype
         shape = (2, cfg.n_layer, num_blocks * block_size, cfg.n_kv_heads, cfg.d_head)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -95,11 +97,13 @@ class ModelRunner:
         positions: list[int] = []
         last_rows: list[int] = []  # row of the packed batch whose logits pick each sampling sequence's token
         samplers: list[Sequence] = []
+        samples: list[bool] = []  # per pair: does this chunk reach the sequence's last token?
         for seq, n in scheduled:
             start = seq.num_computed_tokens
-            input_ids += seq.tokens[start:start + n]
+            input_ids += seq.tokens_between(start, start + n)
             positions += range(start, start + n)
-            if start + n == seq.num_tokens:
+            samples.append(start + n == seq.num_tokens)
+            if samples[-1]:
                 last_rows.append(len(input_ids) - 1)
                 samplers.append(seq)
         meta = PagedAttentionMetadata.build(
@@ -112,7 +116,7 @@ class ModelRunner:
         logits, _ = self.model(idx, cache=batch, logits_at=rows, check=False)  # (1, M, V): sampled rows only
         next_ids = self.sample(logits[0], samplers).tolist() if samplers else []  # the one host read
         tokens = iter(next_ids)
-        return [next(tokens) if seq.num_computed_tokens + n == seq.num_tokens else None for seq, n in scheduled]
+        return [next(tokens) if sampled else None for sampled in samples]
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """(M, V) logits -> (M,) ids. Plain greedy rows share one argmax; every other row samples on its

@@ -57,6 +57,14 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] without building `tokens` whole: a decode step reads one token of a long
+        sequence every step."""
+        prompt_len = len(self.prompt_token_ids)
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len:end - prompt_len]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - prompt_len)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

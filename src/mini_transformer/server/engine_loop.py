@@ -214,30 +214,21 @@ class EngineLoop:
             handle = self._active.get(out.request_id)
             if handle is None:  # aborted while the step ran
                 continue
-            new_ids = [int(t) for t in out.new_token_ids]
+            new_ids = out.new_token_ids  # plain ints already: the runner read them back with .tolist()
             produced += len(new_ids)
             if new_ids and handle.first_token_at is None:
                 handle.first_token_at = now
                 self.metrics.ttft.observe(now - handle.arrival)
             handle.n_output += len(new_ids)
-            reason = None
             if out.finished:
-                reason = self._finish_reason(out, handle)
                 del self._active[out.request_id]
-                self._observe_finished(handle, reason, now)
-            batch.append((handle, StepOutput(new_ids, out.finished, reason)))
+                self._observe_finished(handle, out.finish_reason, now)
+            batch.append((handle, StepOutput(new_ids, out.finished, out.finish_reason)))
         if batch:  # every handle lives on the server's one event loop
             batch[0][0].loop.call_soon_threadsafe(_put_all, batch)
         self.metrics.generation_tokens.inc(produced)
         self._tokens_total += produced
         self._recent_tokens.append((now, produced))
-
-    @staticmethod
-    def _finish_reason(out, handle: RequestHandle) -> str:
-        reason = getattr(out, "finish_reason", None)
-        if reason in ("stop", "length", "abort"):
-            return reason
-        return "length" if handle.n_output >= handle.params.max_tokens else "stop"
 
     def _observe_finished(self, handle: RequestHandle, reason: str, now: float) -> None:
         self.metrics.finished.labels(reason).inc()
