@@ -24,11 +24,12 @@ def small_lm(vocab_size: int, max_seq_len: int, pos_emb="learned", n_kv_heads=No
     return TransformerLM(cfg).eval()
 
 
-def save_char_checkpoint(path, max_seq_len: int):
-    """A tiny seeded model over TEXT's characters, saved with its tokenizer: (path, model in eval, tokenizer)."""
-    tokenizer = CharTokenizer.train(TEXT)
-    cfg = TransformerConfig.from_preset("tiny", vocab_size=tokenizer.vocab_size, max_seq_len=max_seq_len, init_std=0.3)
-    torch.manual_seed(0)
+def save_char_checkpoint(path, max_seq_len: int, *, text: str = TEXT, seed: int = 0, preset: str = "tiny"):
+    """A seeded model over `text`'s characters (large init, so greedy text varies), saved with its tokenizer:
+    (path, model in eval, tokenizer)."""
+    tokenizer = CharTokenizer.train(text)
+    cfg = TransformerConfig.from_preset(preset, vocab_size=tokenizer.vocab_size, max_seq_len=max_seq_len, init_std=0.3)
+    torch.manual_seed(seed)
     model = TransformerLM(cfg)
     model.save_pretrained(path)
     tokenizer.save(path)
