@@ -21,6 +21,7 @@ import tempfile
 import time
 
 import torch
+from decode_roofline import synchronize
 from tqdm import tqdm
 
 from mini_transformer import TransformerLM, generate
@@ -76,13 +77,11 @@ def run_once(method, ours, hf, idx, n_new) -> torch.Tensor:
 
 
 def timed(method, ours, hf, idx, n_new, device) -> float:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     with torch.inference_mode():
         run_once(method, ours, hf, idx, n_new)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    synchronize(device)
     return time.perf_counter() - start
 
 

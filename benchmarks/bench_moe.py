@@ -30,19 +30,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from mini_transformer import TransformerConfig  # noqa: E402
-from mini_transformer.info import active_parameters, count_parameters  # noqa: E402
-from mini_transformer.moe import MoE, moe_per_token_reference, tokens_per_expert  # noqa: E402
-from mini_transformer.train import TrainConfig, train  # noqa: E402
+from mini_transformer import TransformerConfig
+from mini_transformer.info import active_parameters, count_parameters
+from mini_transformer.moe import MoE, moe_per_token_reference, tokens_per_expert
+from mini_transformer.train import TrainConfig, train
 
 DENSE_FF, N_EXPERTS, TOP_K = 384, 8, 2
 DECODE_TOKENS = (1, 4)  # N*k <= N_EXPERTS: the gathered path

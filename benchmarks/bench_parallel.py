@@ -36,14 +36,12 @@ import time
 from pathlib import Path
 
 import torch
+from bench_attention import _peak_rss_bytes, _reset_peak_rss, _rss_bytes  # a sibling: `python benchmarks/...`
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import _peak_rss_bytes, _reset_peak_rss, _rss_bytes  # noqa: E402
-
-from mini_transformer import TransformerConfig, TransformerLM, generate  # noqa: E402
-from mini_transformer.parallel import run_processes, shard_expert_parallel, shard_tensor_parallel  # noqa: E402
-from mini_transformer.parallel.fsdp import local_bytes, shard_for_training, training_memory  # noqa: E402
-from mini_transformer.train import TrainConfig, make_optimizer  # noqa: E402
+from mini_transformer import TransformerConfig, TransformerLM, generate
+from mini_transformer.parallel import run_processes, shard_expert_parallel, shard_tensor_parallel
+from mini_transformer.parallel.fsdp import local_bytes, shard_for_training, training_memory
+from mini_transformer.train import TrainConfig, make_optimizer
 
 MB = 2**20
 

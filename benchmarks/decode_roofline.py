@@ -1,6 +1,6 @@
 """The roofline of batch-1 decoding, for bench_decode_speed.py: the machine's memory bandwidth, the bytes
 one decode step reads, and the plot of tokens/s against bytes per token under the ceiling
-bandwidth / bytes per token."""
+bandwidth / bytes per token. bench_decode.py borrows its synchronize."""
 
 from __future__ import annotations
 

@@ -8,13 +8,12 @@ import socket
 import threading
 import time
 
-import torch
 import uvicorn
+from support import save_char_checkpoint
 
-from mini_transformer import SamplingParams, TransformerConfig, TransformerLM
+from mini_transformer import SamplingParams
 from mini_transformer.engine import LLMEngine
 from mini_transformer.server import build_context, create_app
-from mini_transformer.tokenizer import CharTokenizer
 
 # every character a test prompt or the default chat template uses
 TEXT = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;!?'-\n"
@@ -22,14 +21,8 @@ STARTUP_TIMEOUT_S = 60.0  # bounds, not expectations: generous for a 2-core mach
 
 
 def make_char_checkpoint(path, *, max_seq_len: int = 96, seed: int = 0, preset: str = "tiny"):
-    """A random-weight model (large init, so greedy text varies) with a character tokenizer."""
-    tokenizer = CharTokenizer.train(TEXT)
-    cfg = TransformerConfig.from_preset(preset, vocab_size=tokenizer.vocab_size, max_seq_len=max_seq_len,
-                                        init_std=0.3)
-    torch.manual_seed(seed)
-    model = TransformerLM(cfg).eval()
-    model.save_pretrained(path)
-    tokenizer.save(path)
+    """support.save_char_checkpoint over this file's TEXT: (model in eval, tokenizer)."""
+    _, model, tokenizer = save_char_checkpoint(path, max_seq_len, text=TEXT, seed=seed, preset=preset)
     return model, tokenizer
 
 

@@ -13,11 +13,23 @@ from mini_transformer.tokenizer import CharTokenizer
 TEXT = "the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs!"
 
 
-def save_char_checkpoint(path, max_seq_len: int):
-    """A tiny seeded model over TEXT's characters, saved with its tokenizer: (path, model in eval, tokenizer)."""
-    tokenizer = CharTokenizer.train(TEXT)
-    cfg = TransformerConfig.from_preset("tiny", vocab_size=tokenizer.vocab_size, max_seq_len=max_seq_len, init_std=0.3)
-    torch.manual_seed(0)
+def small_lm(vocab_size: int, max_seq_len: int, pos_emb="learned", n_kv_heads=None, backend="naive") -> TransformerLM:
+    """A 2-layer, d_model 32 model in eval mode: GPT-2 style, or Llama style (RMSNorm, SwiGLU) with RoPE.
+    init_std 0.2, larger than usual: logits that differ visibly from token to token."""
+    cfg = TransformerConfig(
+        vocab_size=vocab_size, d_model=32, n_heads=4, n_kv_heads=n_kv_heads, n_layer=2, d_ff=64,
+        max_seq_len=max_seq_len, pos_emb=pos_emb, attn_backend=backend, init_std=0.2,
+        norm="rmsnorm" if pos_emb == "rope" else "layernorm", ffn="swiglu" if pos_emb == "rope" else "gelu",
+    )
+    return TransformerLM(cfg).eval()
+
+
+def save_char_checkpoint(path, max_seq_len: int, *, text: str = TEXT, seed: int = 0, preset: str = "tiny"):
+    """A seeded model over `text`'s characters (large init, so greedy text varies), saved with its tokenizer:
+    (path, model in eval, tokenizer)."""
+    tokenizer = CharTokenizer.train(text)
+    cfg = TransformerConfig.from_preset(preset, vocab_size=tokenizer.vocab_size, max_seq_len=max_seq_len, init_std=0.3)
+    torch.manual_seed(seed)
     model = TransformerLM(cfg)
     model.save_pretrained(path)
     tokenizer.save(path)

@@ -3,7 +3,7 @@ same imported weights, EOS per row, streaming, seeds, and errors raised before a
 
 import pytest
 import torch
-from support import padded_prompts
+from support import padded_prompts, small_lm
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
 
@@ -11,12 +11,7 @@ VOCAB = 60
 
 
 def small_model(pos_emb="learned", n_kv_heads=None, backend="naive", max_seq_len=40) -> TransformerLM:
-    cfg = TransformerConfig(
-        vocab_size=VOCAB, d_model=32, n_heads=4, n_kv_heads=n_kv_heads, n_layer=2, d_ff=64,
-        max_seq_len=max_seq_len, pos_emb=pos_emb, attn_backend=backend, init_std=0.2,
-        norm="rmsnorm" if pos_emb == "rope" else "layernorm", ffn="swiglu" if pos_emb == "rope" else "gelu",
-    )
-    return TransformerLM(cfg).eval()
+    return small_lm(VOCAB, max_seq_len, pos_emb, n_kv_heads, backend)
 
 
 class ForwardCounter:

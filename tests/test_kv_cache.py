@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import padded_prompts
+from support import padded_prompts, small_lm
 
 from mini_transformer import KVCache, TransformerConfig, TransformerLM
 
@@ -13,13 +13,7 @@ VOCAB = 50
 
 
 def small_model(pos_emb="learned", n_kv_heads=None, backend="naive", max_seq_len=24) -> TransformerLM:
-    cfg = TransformerConfig(
-        vocab_size=VOCAB, d_model=32, n_heads=4, n_kv_heads=n_kv_heads, n_layer=2, d_ff=64,
-        max_seq_len=max_seq_len, pos_emb=pos_emb, attn_backend=backend,
-        norm="rmsnorm" if pos_emb == "rope" else "layernorm", ffn="swiglu" if pos_emb == "rope" else "gelu",
-        init_std=0.2,  # larger weights than usual: logits that differ visibly from token to token
-    )
-    return TransformerLM(cfg).eval()
+    return small_lm(VOCAB, max_seq_len, pos_emb, n_kv_heads, backend)
 
 
 def check_cached_equals_recompute(model, idx, mask, n_steps, chunk=1, atol=1e-5):

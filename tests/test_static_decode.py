@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import padded_prompts
+from support import padded_prompts, small_lm
 
 from mini_transformer import KVCache, TransformerConfig, TransformerLM, generate
 from mini_transformer.static_cache import StaticCache, _one_query_attention, _one_row_addmm, _one_row_mm
@@ -18,13 +18,7 @@ VOCAB = 40
 
 
 def small_model(pos_emb="learned", n_kv_heads=None, backend="naive", max_seq_len=32, dtype=torch.float64):
-    cfg = TransformerConfig(
-        vocab_size=VOCAB, d_model=32, n_heads=4, n_kv_heads=n_kv_heads, n_layer=2, d_ff=64,
-        max_seq_len=max_seq_len, pos_emb=pos_emb, attn_backend=backend,
-        norm="rmsnorm" if pos_emb == "rope" else "layernorm", ffn="swiglu" if pos_emb == "rope" else "gelu",
-        init_std=0.2,
-    )
-    return TransformerLM(cfg).to(dtype).eval()
+    return small_lm(VOCAB, max_seq_len, pos_emb, n_kv_heads, backend).to(dtype)
 
 
 @settings(max_examples=12, deadline=None)

@@ -24,4 +24,10 @@ def _run_bench(args) -> None:
     if not script.is_file():
         raise ValueError(f"no benchmark script at {script}: `bench` runs from a clone of the repository")
     sys.argv = [str(script), *args.script_args]
-    runpy.run_path(str(script), run_name="__main__")
+    # `python benchmarks/x.py` puts benchmarks/ first on the path, so a script may import its siblings
+    # (decode_roofline, bench_attention); run_path does not, so do the same here for the run.
+    sys.path.insert(0, str(script.parent))
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.path.remove(str(script.parent))
