@@ -39,19 +39,21 @@ def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (weight.shape[1] * size) % 16 == 0 and (weight.shape[2] * size) % 16 == 0
 
 
-def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
     """x (R, in) with its rows sorted by expert, counts (E,) rows per expert, weight (E, out, in)
-    -> (R, out): row r of expert e becomes weight[e] @ x[r]. Each expert's weight is read once."""
-    if _grouped_mm_fits(x, weight):
+    -> (R, out): row r of expert e becomes weight[e] @ x[r]. Each expert's weight is read once.
+    counts may also be the sizes already read back to the host (a list): then the loop runs."""
+    if not isinstance(counts, list) and _grouped_mm_fits(x, weight):
         offsets = counts.cumsum(0).to(torch.int32)  # (E,) end row of each group, stays on the device
         return F.grouped_mm(x.contiguous(), weight.transpose(1, 2), offs=offsets)
     return grouped_matmul_loop(x, weight, counts)
 
 
-def grouped_matmul_loop(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def grouped_matmul_loop(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
     """The same with a loop over the EXPERTS (not the tokens): one matmul per expert. Splitting needs
-    the group sizes on the host, the one device->host read of a layer (a grouped kernel avoids it)."""
-    sizes = counts.tolist()
+    the group sizes on the host (a grouped kernel avoids that read); Experts.forward reads them once
+    per layer and hands the list to each of its matrices."""
+    sizes = counts if isinstance(counts, list) else counts.tolist()
     return torch.cat([part @ w.T for part, w in zip(x.split(sizes), weight, strict=True)])
 
 
@@ -96,7 +98,15 @@ class Experts(nn.Module):
             self.activation = ACTIVATIONS[cfg.moe_expert_ffn]()
 
     def forward(self, x, counts, expert_of_row):  # (R, C) sorted by expert -> (R, C)
+        if not self.takes_grouped_kernel(x):  # the loop splits by host sizes: one read for all matrices
+            counts = counts.tolist()
         return self._ffn(lambda linear, h: linear(h, counts, expert_of_row), x)
+
+    def takes_grouped_kernel(self, x: torch.Tensor) -> bool:
+        """Whether grouped_matmul runs the grouped kernel for x (no host read) rather than the loop.
+        Every matrix here spans the same two sizes (C and d_ff) in x's dtype, so the first decides."""
+        first = self.w_gate if self.gated else self.fc1
+        return _grouped_mm_fits(x, first.weight)
 
     def gathered(self, x, expert_of_row):  # (R, C) in any order -> (R, C)
         return self._ffn(lambda linear, h: linear.gathered(h, expert_of_row), x)
@@ -194,8 +204,7 @@ class MoE(nn.Module):
             return False
         if not small_enough_to_gather(x.shape[0], self.top_k, self.experts.n_experts):
             return False
-        first = self.experts.w_gate if self.experts.gated else self.experts.fc1
-        return not _grouped_mm_fits(x, first.weight)
+        return not self.experts.takes_grouped_kernel(x)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         out = self.shared_expert(x)  # (N, C)

@@ -133,15 +133,20 @@ def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:
     return tokenizer
 
 
+def _read_json(file: Path):
+    """The JSON value in `file` (UTF-8); ValueError naming the file when it does not parse."""
+    try:
+        return json.loads(file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{file} is not valid JSON ({err})") from None
+
+
 def _configured_eos_token(path: Path) -> str | None:
     """tokenizer_config.json's eos_token (written as a string or as {"content": ...}), or None."""
     file = path / HF_TOKENIZER_CONFIG
     if not file.is_file():
         return None
-    try:
-        config = json.loads(file.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{file} is not valid JSON ({err})") from None
+    config = _read_json(file)
     value = config.get("eos_token") if isinstance(config, dict) else None
     if isinstance(value, dict):
         value = value.get("content")
@@ -151,10 +156,7 @@ def _configured_eos_token(path: Path) -> str | None:
 def _read_tokenizer(path: Path) -> CharTokenizer | BPETokenizer:
     if (path / CHAR_VOCAB_FILE).is_file():
         file = path / CHAR_VOCAB_FILE
-        try:
-            data = json.loads(file.read_bytes().decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{file} is not valid JSON ({err})") from None
+        data = _read_json(file)
         if not isinstance(data, dict) or data.get("kind") != "char" or not isinstance(data.get("chars"), list):
             raise ValueError(f"{file} is not a character vocabulary: expected {{\"kind\": \"char\", \"chars\": [...]}}")
         try:

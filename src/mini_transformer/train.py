@@ -81,17 +81,18 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
 
 @torch.no_grad()
 def estimate_loss(model, splits: dict, cfg: TrainConfig, block_size: int, device, amp) -> dict[str, float]:
-    """Mean loss over the same `eval_batches` windows at every eval (a fixed generator), per split."""
+    """Mean loss over the same `eval_batches` windows at every eval (a fixed generator), per split.
+    The losses stay on the device until the split is done: one host read per split, not per batch."""
     model.eval()
     out = {}
     for name, data in splits.items():
         generator = torch.Generator().manual_seed(cfg.seed + 1)
-        total = 0.0
+        losses = []
         for _ in range(cfg.eval_batches):
             x, y = get_batch(data, cfg.batch_size, block_size, generator)
             with amp():
-                total += model(x.to(device), y.to(device), check=False)[1].item()
-        out[name] = total / cfg.eval_batches
+                losses.append(model(x.to(device), y.to(device), check=False)[1].detach().float())
+        out[name] = torch.stack(losses).mean().item()
     model.train()
     return out
 
