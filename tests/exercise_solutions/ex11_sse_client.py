@@ -1,21 +1,18 @@
-"""Exercise 11 answered by the code the project's server work uses (skipped until docs/07's server is on
-this branch): server/app.py's `sse` frames the events; the official `openai` client's SSE decoder (what
-tests/test_server.py talks through) reads them back; benchmarks/bench_server.py's `Result` gives TPOT, and
-TTFT / ITL are its `one_request` arithmetic on the chunks' arrival times."""
+"""Exercise 11 answered by the code the project's server work uses: server/app.py's `sse` frames the events; the
+official `openai` client's SSE decoder (what tests/test_server.py talks through) reads them back;
+benchmarks/bench_server.py's `Result` gives TPOT, and TTFT / ITL are its `one_request` arithmetic on the chunks'
+arrival times."""
 
 import math
 import sys
 from pathlib import Path
 
-import pytest
+from openai import _streaming as streaming
 
-pytest.importorskip("mini_transformer.server.app", reason="the OpenAI-compatible server (docs/07) is not here yet")
-streaming = pytest.importorskip("openai._streaming")
-
-from mini_transformer.server.app import sse as sse_event  # noqa: E402
+from mini_transformer.server.app import sse as sse_event
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-bench_server = pytest.importorskip("bench_server")
+import bench_server  # noqa: E402
 
 
 def parse_sse(body):

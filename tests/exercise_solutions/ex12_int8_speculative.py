@@ -1,14 +1,9 @@
-"""Exercise 12 answered by the project's own code: quantize.Int8Linear and speculative.accept_drafts
-(skipped until the decode-speed stage of docs/08 is on this branch)."""
+"""Exercise 12 answered by the project's own code: quantize.Int8Linear and speculative.accept_drafts."""
 
-import pytest
+import torch
 
-pytest.importorskip("mini_transformer.speculative", reason="decode speed (docs/08) is not here yet")
-
-import torch  # noqa: E402
-
-from mini_transformer.quantize import Int8Linear  # noqa: E402
-from mini_transformer.speculative import accept_drafts  # noqa: E402
+from mini_transformer.quantize import Int8Linear
+from mini_transformer.speculative import accept_drafts
 
 
 def quantize_int8(w):

@@ -1,17 +1,13 @@
 """Exercise 13 answered by the project's own code: parallel/tp.py's column and row shards and its cut of
-the fused W_qkv (skipped until the parallelism stage of docs/10 is on this branch). The sum over the
+the fused W_qkv. The sum over the
 shards stands in for dist.all_reduce, which RowParallelLinear calls across processes."""
 
 import types
 
-import pytest
+import torch
+import torch.nn.functional as F
 
-pytest.importorskip("mini_transformer.parallel.tp", reason="parallelism (docs/10) is not here yet")
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from mini_transformer.parallel import tp  # noqa: E402
+from mini_transformer.parallel import tp
 
 
 def _linear(w, b):
