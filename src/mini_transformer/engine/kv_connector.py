@@ -81,6 +81,39 @@ def decode_block(value: bytes, fingerprint: bytes, token_ids, shape: tuple, dtyp
     return torch.frombuffer(bytearray(payload[start:]), dtype=torch.uint8).view(dtype).view(shape)
 
 
+def extend_chain(chain: list[bytes], tokens, block_size: int, num_blocks: int) -> list[bytes]:
+    """Grow `chain` to the digests of the first num_blocks full blocks of `tokens`:
+    digest_0 = H(b"", block 0's tokens), digest_i = H(digest_{i-1}, block i's tokens)."""
+    while len(chain) < num_blocks:
+        i = len(chain)
+        chain.append(chain_digest(chain[-1] if chain else b"", tokens[i * block_size:(i + 1) * block_size]))
+    return chain
+
+
+def longest_run(tiers, keys: list[bytes], check) -> tuple[list[tuple[int, bytes, object]], int]:
+    """The longest unbroken run of consecutive blocks `keys` that the tiers hold. Each block is taken from
+    the fastest tier that has its key (one get_many per tier, for the keys the faster ones lacked);
+    check(i, value) returns the decoded block, or None when the value fails a check: the run ends there
+    and the refusal is counted. Returns ([(tier index, value, decoded)], refusals)."""
+    values: list[tuple[int, bytes | None]] = [(-1, None)] * len(keys)
+    for t, tier in enumerate(tiers):  # fill the gaps of the faster tiers from the next one
+        gaps = [i for i, (_, v) in enumerate(values) if v is None]
+        if not gaps:
+            break
+        for i, value in zip(gaps, tier.get_many([keys[i] for i in gaps]), strict=True):
+            if value is not None:
+                values[i] = (t, value)
+    run = []
+    for i, (t, value) in enumerate(values):
+        if value is None:
+            break
+        decoded = check(i, value)
+        if decoded is None:
+            return run, 1
+        run.append((t, value, decoded))
+    return run, 0
+
+
 class KVConnector:
     """Give it tiers, fastest first (e.g. [HostTier(2 << 30), RedisTier("redis://127.0.0.1:6379")]) and
     pass it to LLMEngine(kv_connector=...), which binds it to its model and pool."""
@@ -115,14 +148,9 @@ class KVConnector:
     def keys(self, seq, num_blocks: int) -> list[bytes]:
         """The store keys of seq's first num_blocks full blocks (kept and extended: tokens only grow)."""
         chain = self._keys.setdefault(seq, [])
-        bs = self.block_size
         if len(chain) < num_blocks:
-            tokens = seq.tokens
-            while len(chain) < num_blocks:
-                i = len(chain)
-                parent = chain[-1][len(self._prefix):] if chain else b""
-                chain.append(self._prefix + chain_digest(parent, tokens[i * bs:(i + 1) * bs]))
-        return chain[:num_blocks]
+            extend_chain(chain, seq.tokens, self.block_size, num_blocks)
+        return [self._prefix + digest for digest in chain[:num_blocks]]
 
     # ------------------------------------------------------------------------------- loading
     def lookup(self, seq, num_cached_blocks: int) -> int:
@@ -135,28 +163,19 @@ class KVConnector:
         wanted = self.keys(seq, (seq.num_tokens - 1) // self.block_size)[num_cached_blocks:]
         self.counters["lookups"] += 1
         self.counters["lookup_blocks"] += len(wanted)
-        found: list[tuple[str, torch.Tensor]] = []
-        values: list[tuple[str, bytes | None]] = [("", None)] * len(wanted)
-        for tier in self.tiers:  # fill the gaps of the faster tiers from the next one
-            gaps = [i for i, (_, v) in enumerate(values) if v is None]
-            if not gaps:
-                break
-            for i, value in zip(gaps, tier.get_many([wanted[i] for i in gaps]), strict=True):
-                if value is not None:
-                    values[i] = (tier.name, value)
         tokens, bs = seq.tokens, self.block_size
-        for i, (tier_name, value) in enumerate(values):
-            if value is None:
-                break
+
+        def check(i: int, value: bytes):
             block = num_cached_blocks + i
-            kv = decode_block(value, self.fingerprint, tokens[block * bs:(block + 1) * bs], self.block_shape,
-                              self.kv_cache.dtype)
-            if kv is None:
-                self.counters["verify_failures"] += 1  # a miss, counted; the block is computed instead
-                break
-            found.append((tier_name, kv))
+            return decode_block(value, self.fingerprint, tokens[block * bs:(block + 1) * bs], self.block_shape,
+                                self.kv_cache.dtype)
+
+        run, refused = longest_run(self.tiers, wanted, check)
+        self.counters["verify_failures"] += refused  # a miss, counted; the block is computed instead
+        found = [(self.tiers[t].name, kv) for t, _, kv in run]
+        for i, (t, value, _) in enumerate(run):
             self.counters["wire_bytes_loaded"] += len(value)
-            if tier_name != self.tiers[0].name:
+            if t:
                 self.tiers[0].put(wanted[i], value)  # promote: the next hit is a faster tier's
         self.counters["hit_blocks"] += len(found)
         self._pending = (seq, num_cached_blocks, found)
