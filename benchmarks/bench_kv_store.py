@@ -237,8 +237,10 @@ def print_report(rows: list[dict], args, model: TransformerLM, even: list[dict])
               f"{loaded:>14} {per_token:>12.0f} {wire:>11.0f} {str(r['outputs'] == none['outputs']):>9}")
     print(f"target tokens = {n_b} x ({args.tail} + {args.block_size}) = {target}; formula 2·L·Hkv·D·bytes = "
           f"2·{cfg.n_layer}·{cfg.n_kv_heads}·{cfg.d_head}·4 = {formula} bytes per token")
-    print(f"\nbreak-even (this process, 1 thread, load {os.getloadavg()[0]:.2f}): one block of {args.block_size} tokens")
-    print(f"{'model':<8} {'params M':>9} {'KV bytes/block':>15} {'recompute ms':>13} {'load ms':>8} {'load/recompute':>15}")
+    print(f"\nbreak-even (this process, 1 thread, load {os.getloadavg()[0]:.2f}): "
+          f"one block of {args.block_size} tokens")
+    print(f"{'model':<8} {'params M':>9} {'KV bytes/block':>15} {'recompute ms':>13} {'load ms':>8} "
+          f"{'load/recompute':>15}")
     for e in even:
         print(f"{e['model']:<8} {e['params_m']:>9.2f} {e['kv_block_bytes']:>15} {e['recompute_ms']:>13.3f} "
               f"{e['load_ms']:>8.3f} {e['load_ms'] / e['recompute_ms']:>15.3f}")
