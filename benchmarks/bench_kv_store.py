@@ -225,7 +225,8 @@ def print_report(rows: list[dict], args, model: TransformerLM, even: list[dict])
     print(f"\nB's {n_b} requests ({args.prefix}-token shared prefix + {args.tail}-token tails), "
           f"{cfg.n_layer}x{cfg.d_model} model, block {args.block_size}, load {os.getloadavg()[0]:.2f}")
     print(f"{'store':<6} {'prompt tok computed':>20} {'vs target':>10} {'TTFT p50 s':>11} {'p90 s':>7} "
-          f"{'p50 vs none':>12} {'B steps':>8} {'blocks loaded':>14} {'bytes/token':>12} {'wire B/tok':>11} {'same out':>9}")
+          f"{'p50 vs none':>12} {'B steps':>8} {'blocks loaded':>14} {'bytes/token':>12} {'wire B/tok':>11} "
+          f"{'same out':>9}")
     for r in rows:
         s = r["stats"]
         loaded_tokens = s.get("kv_store_hit_tokens", 0)
@@ -234,7 +235,8 @@ def print_report(rows: list[dict], args, model: TransformerLM, even: list[dict])
         loaded = sum(v for k, v in s.items() if k.startswith("kv_store_blocks_loaded_"))
         print(f"{r['mode']:<6} {s['prefill_tokens_computed']:>20} {s['prefill_tokens_computed'] / target:>9.2f}x "
               f"{r['ttft_p50']:>11.3f} {r['ttft_p90']:>7.3f} {r['ttft_p50'] / none['ttft_p50']:>11.2f}x "
-              f"{s['steps']:>8} {loaded:>14} {per_token:>12.0f} {wire:>11.0f} {str(r['outputs'] == none['outputs']):>9}")
+              f"{s['steps']:>8} {loaded:>14} {per_token:>12.0f} {wire:>11.0f} "
+              f"{str(r['outputs'] == none['outputs']):>9}")
     print(f"target tokens = {n_b} x ({args.tail} + {args.block_size}) = {target}; formula 2·L·Hkv·D·bytes = "
           f"2·{cfg.n_layer}·{cfg.n_kv_heads}·{cfg.d_head}·4 = {formula} bytes per token")
     print(f"\nbreak-even (this process, 1 thread, load {os.getloadavg()[0]:.2f}): "
