@@ -76,7 +76,7 @@ def test_the_newest_running_sequence_is_preempted_and_nobody_is_admitted(solutio
     plan = plan_of(solution, [S("A", 9, 8), S("B", 5, 4)], [S("C", 1, 0)], 0, 4, 8, 16)
     assert plan.preempted == ["B"], f"the NEWEST running sequence is the victim: {plan.preempted}"
     assert plan.scheduled == [("A", 1)], f"A fits once B's block is back: {plan.scheduled}"
-    assert plan.waiting_after == ["B", "C"], "a preempted sequence goes to the FRONT; a step that preempted admits nobody"
+    assert plan.waiting_after == ["B", "C"], "the victim goes to the FRONT; a step that preempted admits nobody"
 
 
 def test_preempting_several_keeps_their_order_at_the_front(solution):
