@@ -43,7 +43,7 @@ from mini_transformer.parallel import run_processes, shard_expert_parallel, shar
 from mini_transformer.parallel.fsdp import local_bytes, shard_for_training, training_memory
 from mini_transformer.train import TrainConfig, make_optimizer
 
-MB = 2**20
+MB = 1e6  # decimal megabytes, as the docs write every size (KB = 1e3 below)
 
 
 def model_config(args) -> TransformerConfig:
