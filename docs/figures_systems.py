@@ -19,7 +19,8 @@ from mini_transformer.engine.scheduler import Scheduler
 from mini_transformer.engine.sequence import Sequence
 from mini_transformer.sampling import SamplingParams
 
-BLUE, ORANGE, GREY, GREEN, YELLOW, PURPLE, RED = "#4c72b0", "#dd8452", "#bbbbbb", "#55a868", "#f2d16b", "#8172b2", "#c44e52"
+BLUE, ORANGE, GREY, GREEN, YELLOW = "#4c72b0", "#dd8452", "#bbbbbb", "#55a868", "#f2d16b"
+PURPLE, RED = "#8172b2", "#c44e52"
 
 
 def box(ax, x, y, w, h, text, fc="white", fontsize=9, **kw):
@@ -80,7 +81,8 @@ def block_pool(save) -> None:
 def prefix_hash_chain(save) -> None:
     """hash(block i) = hash(hash(block i-1), tokens of block i): two prompts, equal for two blocks."""
     fig, ax = plt.subplots(figsize=(11, 3.6))
-    prompts = (("提示 1", ["你 是 一 个", "助 手 。 请", "回 答 ："]), ("提示 2", ["你 是 一 个", "助 手 。 请", "翻 译 成"]))
+    prompts = (("提示 1", ["你 是 一 个", "助 手 。 请", "回 答 ："]),
+               ("提示 2", ["你 是 一 个", "助 手 。 请", "翻 译 成"]))
     for row, (name, blocks) in enumerate(prompts):
         y = 2.0 - row * 1.6
         ax.text(-0.2, y + 0.35, name, ha="right", va="center", fontsize=10)
@@ -89,7 +91,8 @@ def prefix_hash_chain(save) -> None:
             full = i < 2
             fc = GREEN if full else (YELLOW if row == 0 else ORANGE)
             box(ax, x, y, 1.5, 0.7, text, fc=fc, fontsize=9)
-            label = (f"h{i} = hash(h{i - 1}, 块 {i})" if i else "h0 = hash(None, 块 0)") if full else "不满的块：没有哈希"
+            label = f"h{i} = hash(h{i - 1}, 块 {i})" if i else "h0 = hash(None, 块 0)"
+            label = label if full else "不满的块：没有哈希"
             ax.text(x + 0.75, y - 0.22, label, ha="center", fontsize=8)
             if i:
                 arrow(ax, (x - 1.8, y + 0.35), (x - 0.05, y + 0.35), "父哈希" if i < 2 else "", fontsize=7.5)
@@ -97,7 +100,8 @@ def prefix_hash_chain(save) -> None:
             fontsize=9, va="center")
     ax.set(xlim=(-1.2, 11.5), ylim=(-0.2, 3.0))
     ax.set_axis_off()
-    ax.set_title("前缀缓存的哈希链（block_size = 4）：哈希里含父块的哈希，所以相等的哈希意味着整个前缀相等", fontsize=10)
+    ax.set_title("前缀缓存的哈希链（block_size = 4）："
+                 "哈希里含父块的哈希，所以相等的哈希意味着整个前缀相等", fontsize=10)
     save(fig, "06-prefix-hash-chain.png")
 
 
@@ -129,7 +133,7 @@ def batching_timeline(save) -> None:
     t, batch = 0, [lengths[:4], lengths[4:]]  # static: batches of 4 in arrival order, each runs to its longest
     for b, group in enumerate(batch):
         longest = max(new for _, new in group)
-        for r, (prompt, new) in enumerate(group):
+        for r, (_, new) in enumerate(group):
             name = f"R{b * 4 + r}"
             axes[0].broken_barh([(t, 1)], (r, 0.8), fc=colours[name], hatch="//")
             axes[0].broken_barh([(t + 1, new - 1)], (r, 0.8), fc=colours[name]) if new > 1 else None
@@ -137,7 +141,8 @@ def batching_timeline(save) -> None:
                 axes[0].broken_barh([(t + new, longest - new)], (r, 0.8), fc="white", ec=GREY, hatch="..")
             axes[0].text(t + 0.1, r + 0.4, name, va="center", fontsize=8, color="white")
         t += longest
-    axes[0].set_title(f"静态批：每批 4 个，跑到最长的那条才结束（点状 = 占着位置不干活），共 {t} 步；R4 等第一批全部结束",
+    axes[0].set_title(f"静态批：每批 4 个，跑到最长的那条才结束（点状 = 占着位置不干活），"
+                      f"共 {t} 步；R4 等第一批全部结束",
                       fontsize=10)
     steps = _continuous_timeline(lengths, budget=8)
     for s, row in enumerate(steps):
@@ -170,11 +175,13 @@ def request_path(save) -> None:
     arrow(ax, (1.6, 1.8), (2.3, 1.8), "HTTP")
     arrow(ax, (4.7, 1.8), (5.6, 1.8), "submit")
     arrow(ax, (6.8, 1.8), (7.7, 1.8), "取出")
-    arrow(ax, (7.7, 1.35), (4.7, 1.35), "每步一次 call_soon_threadsafe：这一步所有请求的输出", color=BLUE, offset=(0, -0.35))
+    arrow(ax, (7.7, 1.35), (4.7, 1.35), "每步一次 call_soon_threadsafe：这一步所有请求的输出", color=BLUE,
+          offset=(0, -0.35))
     arrow(ax, (2.3, 1.35), (1.6, 1.35), "SSE", color=BLUE, offset=(0, -0.35))
     ax.set(xlim=(-0.2, 10.5), ylim=(0.4, 2.5))
     ax.set_axis_off()
-    ax.set_title("一个请求的路径：所有客户端的请求在引擎线程的同一个 step() 里相遇（服务器这一侧的连续批处理）", fontsize=10)
+    ax.set_title("一个请求的路径：所有客户端的请求在引擎线程的同一个 step() 里相遇"
+                 "（服务器这一侧的连续批处理）", fontsize=10)
     save(fig, "07-request-path.png")
 
 
@@ -183,7 +190,8 @@ def roofline_batch(save, bandwidth: float, peak: float, step_cost) -> None:
     ridge = peak / bandwidth
     fig, ax = plt.subplots(figsize=(8.5, 4.8))
     xs = [0.2, 40]
-    ax.plot([xs[0], ridge], [xs[0] * bandwidth / 1e9, peak / 1e9], "k--", label=f"带宽屋顶：{bandwidth / 1e9:.1f} GB/s × 强度")
+    ax.plot([xs[0], ridge], [xs[0] * bandwidth / 1e9, peak / 1e9], "k--",
+            label=f"带宽屋顶：{bandwidth / 1e9:.1f} GB/s × 强度")
     ax.plot([ridge, xs[1]], [peak / 1e9, peak / 1e9], "k-", label=f"算力屋顶：{peak / 1e9:.0f} GFLOP/s（fp32 矩阵乘）")
     ax.axvline(ridge, color=GREY, lw=0.8)
     ax.text(ridge * 1.05, peak / 1e9 * 0.25, f"脊点 {ridge:.2f} FLOP/字节", fontsize=8.5)
@@ -201,7 +209,8 @@ def roofline_batch(save, bandwidth: float, peak: float, step_cost) -> None:
                 ax.annotate(f"B={batch}", (x, y), (3, -11 if colour == BLUE else 5), textcoords="offset points",
                             fontsize=7, color=colour)
     ax.set(xscale="log", yscale="log", xlabel="算术强度：一步 decode 的 FLOPs ÷ 读的字节", ylabel="可达 GFLOP/s")
-    ax.set_title("decode 的屋顶线（fp32，每个序列已缓存 256 个 token）：batch 变大，权重被摊薄，强度越过脊点就算力受限；"
+    ax.set_title("decode 的屋顶线（fp32，每个序列已缓存 256 个 token）："
+                 "batch 变大，权重被摊薄，强度越过脊点就算力受限；"
                  "\nMHA 的小模型强度停在 5 左右——每个序列自己的 K、V 摊不薄", fontsize=9.5)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
@@ -219,7 +228,8 @@ def speculative_step(save) -> None:
         arrow(ax, (x + 0.6, 1.6), (x + 0.6, 1.2))
     box(ax, 1.5 + 4 * 1.5, 1.6, 2.2, 0.6, "目标一次前向：\nk + 1 个位置的 p", fc="#dde8f5")
     box(ax, 1.5 + 4 * 1.5, 0.6, 2.2, 0.6, "d3 处从 max(p − q, 0)\n归一化后采一个 token", fc=BLUE, color="white")
-    ax.text(0, 0.15, "规则：以 min(1, p(d)/q(d)) 接受；第一次拒绝时从残差分布采样、本轮结束；k 个全部接受时再从 p 采一个奖励 token。"
+    ax.text(0, 0.15, "规则：以 min(1, p(d)/q(d)) 接受；第一次拒绝时从残差分布采样、本轮结束；"
+            "k 个全部接受时再从 p 采一个奖励 token。"
             "这一轮产出 d1、d2 和一个新 token：3 个 token，只花了目标的一次前向。", fontsize=8.5)
     ax.set(xlim=(-0.2, 10), ylim=(0, 2.4))
     ax.set_axis_off()
@@ -241,7 +251,8 @@ def moe_dispatch(save) -> None:
         box(ax, j * 0.9, 0.6, 0.8, 0.55, f"t{n}", fc=colours[e], color="white", fontsize=8)
         arrow(ax, (i * 0.9 + 0.4, 2.2), (j * 0.9 + 0.4, 1.15), color=GREY)
     ax.text(-0.1, 3.0, "(token, 选择) 槽位：每个 token 选 k = 2 个专家（N·k = 8 行）", fontsize=9)
-    ax.text(-0.1, 0.25, "argsort 按专家排好：每个专家一段连续的行，一次分组矩阵乘算完；结果乘路由权重后 index_add 回各自的 token",
+    ax.text(-0.1, 0.25, "argsort 按专家排好：每个专家一段连续的行，一次分组矩阵乘算完；"
+            "结果乘路由权重后 index_add 回各自的 token",
             fontsize=9)
     ax.set(xlim=(-0.2, 7.5), ylim=(0, 3.3))
     ax.set_axis_off()
@@ -253,10 +264,12 @@ def moe_dispatch(save) -> None:
 def tensor_parallel(save) -> None:
     fig, ax = plt.subplots(figsize=(11, 3.8))
     for row, (name, first, middle, last) in enumerate((
-            ("attention", "W_qkv 按列切\nrank r：第 r 组头的 q、k、v", "每个 rank 用本地的头\n做完整的 attention", "W_o 按行切\n得到部分和"),
-            ("MLP", "fc1（w_gate、w_up）按列切\nrank r：第 r 段隐藏单元", "GELU / SwiGLU\n逐元素，只在本段内", "fc2 / w_down 按行切\n得到部分和"))):
+            ("attention", "W_qkv 按列切\nrank r：第 r 组头的 q、k、v", "每个 rank 用本地的头\n做完整的 attention",
+             "W_o 按行切\n得到部分和"),
+            ("MLP", "fc1（w_gate、w_up）按列切\nrank r：第 r 段隐藏单元", "GELU / SwiGLU\n逐元素，只在本段内",
+             "fc2 / w_down 按行切\n得到部分和"))):
         y = 2.1 - row * 1.7
-        box(ax, 0, y, 1.4, 1.0, f"x\n(B, T, C)\n每个 rank 一份", fc="#eeeeee", fontsize=8)
+        box(ax, 0, y, 1.4, 1.0, "x\n(B, T, C)\n每个 rank 一份", fc="#eeeeee", fontsize=8)
         box(ax, 2.0, y, 2.6, 1.0, first, fc="#dde8f5", fontsize=8.5)
         box(ax, 5.1, y, 2.2, 1.0, middle, fc="#e3f1e3", fontsize=8.5)
         box(ax, 7.8, y, 1.8, 1.0, last, fc="#dde8f5", fontsize=8.5)
@@ -286,7 +299,8 @@ def pipeline_bubble(save, p: int = 4, m: int = 4) -> None:
     ax.set(xlim=(-1.3, total + 0.2), ylim=(-0.2, p))
     ax.set_axis_off()
     bubble = (p - 1) / (m + p - 1)
-    ax.set_title(f"GPipe 调度（p = {p} 个 stage，m = {m} 个 micro-batch）：白色是气泡，占 (p − 1)/(m + p − 1) = {bubble:.0%}"
+    ax.set_title(f"GPipe 调度（p = {p} 个 stage，m = {m} 个 micro-batch）："
+                 f"白色是气泡，占 (p − 1)/(m + p − 1) = {bubble:.0%}"
                  "（按公式画，不是实测的时间线）", fontsize=10)
     save(fig, "10-pipeline-bubble.png")
 
