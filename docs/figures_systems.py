@@ -17,7 +17,7 @@ from mini_transformer import TransformerConfig
 from mini_transformer.engine.block_manager import BlockManager
 from mini_transformer.engine.scheduler import Scheduler
 from mini_transformer.engine.sequence import Sequence
-from mini_transformer.sampling import SamplingParams
+from mini_transformer.inference.sampling import SamplingParams
 
 BLUE, ORANGE, GREY, GREEN, YELLOW = "#4c72b0", "#dd8452", "#bbbbbb", "#55a868", "#f2d16b"
 PURPLE, RED = "#8172b2", "#c44e52"

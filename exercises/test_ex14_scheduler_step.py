@@ -11,7 +11,7 @@ import torch
 from mini_transformer.engine.block_manager import BlockManager
 from mini_transformer.engine.scheduler import Scheduler
 from mini_transformer.engine.sequence import Sequence, SequenceStatus
-from mini_transformer.sampling import SamplingParams
+from mini_transformer.inference.sampling import SamplingParams
 
 EXERCISE = "ex14_scheduler_step"
 

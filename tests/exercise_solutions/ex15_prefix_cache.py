@@ -8,7 +8,7 @@ import torch
 
 from mini_transformer.engine import block_manager as bm
 from mini_transformer.engine.sequence import Sequence
-from mini_transformer.sampling import SamplingParams
+from mini_transformer.inference.sampling import SamplingParams
 
 chain_hash = bm.hash_block_tokens
 
