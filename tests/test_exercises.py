@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from exercise_solutions.broken import BROKEN
+from exercise_solutions.broken_engine import BROKEN_ENGINE
 from exercise_solutions.broken_kv_store import BROKEN_KV_STORE
 from exercise_solutions.broken_stages import BROKEN_STAGES
 
@@ -64,8 +65,8 @@ def test_grader_fails_on_the_blank(name, tmp_path):
             check(blank)
 
 
-# exercises 11-13 (docs/07, 08, 10) keep theirs in broken_stages.py, 16 (docs/11) in broken_kv_store.py
-BROKEN = {**BROKEN, **BROKEN_STAGES, **BROKEN_KV_STORE}
+# apart: 11-13 (docs/07, 08, 10), 14-15 (docs/06), 16 (docs/11)
+BROKEN = {**BROKEN, **BROKEN_STAGES, **BROKEN_ENGINE, **BROKEN_KV_STORE}
 CASES = [(name, label) for name, variants in BROKEN.items() for label in variants]
 
 
