@@ -184,28 +184,33 @@ def test_other_weights_same_shapes_only_miss(empty_redis):
     assert other.generate(prompts, PARAMS, use_tqdm=False) == reference(other_model, prompts)
     stats = other.stats()
     assert stats["kv_store_lookup_blocks"] > 0 and stats["kv_store_hit_blocks"] == 0
+    assert stats["kv_store_verify_failures"] == 0, "other weights, other keys: not even a refused entry"
 
 
 def test_a_colliding_or_foreign_entry_is_a_counted_miss(model, expected):
-    """Put, under the key of each of a prompt's blocks, a value that is not that block: another block's
-    value (a key collision) or the same block saved by another model. Every one is refused."""
+    """Put, under the key of each of a prompt's blocks, a value that is not that block: the same model's
+    value of the next block (a key collision: right fingerprint, other tokens), then the same blocks
+    saved by another model. Every one is refused, and the outputs stay the reference's."""
     prompts, _ = prompts_and_fillers()
+    saver = small_engine(model, 4, KVConnector([HostTier(1 << 20)]))
     donor = small_engine(make_model("gpt2", seed=3), 4, KVConnector([HostTier(1 << 20)]))
-    donor.generate(prompts, PARAMS, use_tqdm=False)
-    donor.kv_connector.flush()
-    tier = HostTier(1 << 20)
-    engine = small_engine(model, 4, KVConnector([tier]))
-    keys = engine.kv_connector.keys(engine_sequence(engine, prompts[0]), 8)
-    donor_keys = donor.kv_connector.keys(engine_sequence(donor, prompts[0]), 8)
-    donor_values = donor.kv_connector.tiers[0].get_many(donor_keys)
-    for key, value in zip(keys, donor_values[1:] + donor_values[:1], strict=True):  # shifted: wrong tokens too
-        tier.put(key, value)
-    assert engine.generate(prompts, PARAMS, use_tqdm=False) == expected
-    stats = engine.stats()
-    assert stats["kv_store_verify_failures"] >= 1 and stats["kv_store_hit_blocks"] == 0
+    for engine in (saver, donor):
+        engine.generate(prompts, PARAMS, use_tqdm=False)
+        engine.kv_connector.flush()
+    for source, shift in ((saver, 1), (donor, 0)):
+        keys = source.kv_connector.keys(engine_sequence(prompts[0]), 8)
+        values = source.kv_connector.tiers[0].get_many(keys)
+        tier = HostTier(1 << 20)
+        for key, value in zip(saver.kv_connector.keys(engine_sequence(prompts[0]), 8), values[shift:] + values[:shift],
+                              strict=True):
+            tier.put(key, value)
+        engine = small_engine(model, 4, KVConnector([tier]))
+        assert engine.generate(prompts, PARAMS, use_tqdm=False) == expected
+        stats = engine.stats()
+        assert stats["kv_store_verify_failures"] >= 1 and stats["kv_store_hit_blocks"] == 0
 
 
-def engine_sequence(engine, prompt):
+def engine_sequence(prompt):
     from mini_transformer.engine.sequence import Sequence
 
     return Sequence("probe", prompt, PARAMS, (), arrival=0, device=torch.device("cpu"))
