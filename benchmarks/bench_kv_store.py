@@ -216,8 +216,34 @@ def load_vs_recompute(model: TransformerLM, redis_url: str, args) -> dict:
                 recompute_ms=1e3 * recompute, load_ms=1e3 * min(loads))
 
 
+def engine_burst(model: TransformerLM, redis_url: str, args, prompts, rounds: int = 2) -> dict:
+    """B's burst without HTTP: the same 16 prompts added to a fresh LLMEngine at once, stepped until each
+    has its first token; with no store vs with a Redis tier holding the prefix (saved by another engine
+    first). Alternating rounds, none/redis/none/redis; returns the mean TTFT p50 per store."""
+    half = len(prompts) // 2
+    params = SamplingParams(max_tokens=1)
+    saver = LLMEngine(model, block_size=args.block_size, kv_connector=KVConnector([RedisTier(redis_url)]))
+    saver.generate(prompts[:1], params, use_tqdm=False)
+    saver.kv_connector.flush()
+    p50s: dict[str, list[float]] = {"none": [], "redis": []}
+    for _ in range(rounds):
+        for mode in p50s:
+            connector = KVConnector([RedisTier(redis_url)]) if mode == "redis" else None
+            engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=half, kv_connector=connector)
+            start, firsts = time.perf_counter(), []
+            for prompt in prompts[half:]:
+                engine.add_request(prompt, params)
+            while engine.has_unfinished_requests():
+                firsts += [time.perf_counter() - start for _ in engine.step()]
+            p50s[mode].append(statistics.median(firsts))
+            if connector is not None:
+                assert engine.stats()["kv_store_blocks_loaded_redis"] == args.prefix // args.block_size
+                connector.close()
+    return {mode: statistics.mean(values) for mode, values in p50s.items()}
+
+
 # --------------------------------------------------------------------------------------- report
-def print_report(rows: list[dict], args, model: TransformerLM, even: list[dict]) -> None:
+def print_report(rows: list[dict], args, model: TransformerLM, even: list[dict], burst: dict) -> None:
     cfg, n_b = model.config, args.requests - args.requests // 2
     formula = 2 * cfg.n_layer * cfg.n_kv_heads * cfg.d_head * 4
     target = n_b * (args.tail + args.block_size)
@@ -239,6 +265,8 @@ def print_report(rows: list[dict], args, model: TransformerLM, even: list[dict])
               f"{str(r['outputs'] == none['outputs']):>9}")
     print(f"target tokens = {n_b} x ({args.tail} + {args.block_size}) = {target}; formula 2·L·Hkv·D·bytes = "
           f"2·{cfg.n_layer}·{cfg.n_kv_heads}·{cfg.d_head}·4 = {formula} bytes per token")
+    print(f"\nB's burst in this process, no HTTP (mean of alternating rounds): TTFT p50 none {burst['none']:.3f} s, "
+          f"redis {burst['redis']:.3f} s, ratio {burst['redis'] / burst['none']:.2f}x")
     print(f"\nbreak-even (this process, 1 thread, load {os.getloadavg()[0]:.2f}): "
           f"one block of {args.block_size} tokens")
     print(f"{'model':<8} {'params M':>9} {'KV bytes/block':>15} {'recompute ms':>13} {'load ms':>8} "
@@ -281,12 +309,14 @@ def main(argv=None) -> None:
         redis_proc, redis_url = start_redis(tmp)
         try:
             rows = [run_mode(mode, Path(tmp) / "ckpt", args, redis_url, prompts) for mode in MODES]
+            burst = engine_burst(make_model(args.n_layer, args.d_model, max_seq_len, args.seed), redis_url, args,
+                                 prompts)
             even = [load_vs_recompute(make_model(n, d, max_seq_len, args.seed), redis_url, args)
                     for n, d in ((2, 128), (4, 256), (args.n_layer, args.d_model))]
         finally:
             redis_proc.terminate()
             redis_proc.wait(timeout=30)
-    print_report(rows, args, model, even)
+    print_report(rows, args, model, even, burst)
     if args.plot:
         plot(rows, args.plot)
 
