@@ -226,6 +226,7 @@ def engine_burst(model: TransformerLM, redis_url: str, args, prompts, rounds: in
     saver.generate(prompts[:1], params, use_tqdm=False)
     saver.kv_connector.flush()
     p50s: dict[str, list[float]] = {"none": [], "redis": []}
+    loaded, errors = [], 0
     for _ in range(rounds):
         for mode in p50s:
             connector = KVConnector([RedisTier(redis_url)]) if mode == "redis" else None
@@ -237,9 +238,10 @@ def engine_burst(model: TransformerLM, redis_url: str, args, prompts, rounds: in
                 firsts += [time.perf_counter() - start for _ in engine.step()]
             p50s[mode].append(statistics.median(firsts))
             if connector is not None:
-                assert engine.stats()["kv_store_blocks_loaded_redis"] == args.prefix // args.block_size
+                loaded.append(engine.stats()["kv_store_blocks_loaded_redis"])
+                errors += engine.stats()["kv_store_store_errors"]
                 connector.close()
-    return {mode: statistics.mean(values) for mode, values in p50s.items()}
+    return {**{mode: statistics.mean(values) for mode, values in p50s.items()}, "loaded": loaded, "errors": errors}
 
 
 # --------------------------------------------------------------------------------------- report
@@ -266,7 +268,8 @@ def print_report(rows: list[dict], args, model: TransformerLM, even: list[dict],
     print(f"target tokens = {n_b} x ({args.tail} + {args.block_size}) = {target}; formula 2·L·Hkv·D·bytes = "
           f"2·{cfg.n_layer}·{cfg.n_kv_heads}·{cfg.d_head}·4 = {formula} bytes per token")
     print(f"\nB's burst in this process, no HTTP (mean of alternating rounds): TTFT p50 none {burst['none']:.3f} s, "
-          f"redis {burst['redis']:.3f} s, ratio {burst['redis'] / burst['none']:.2f}x")
+          f"redis {burst['redis']:.3f} s, ratio {burst['redis'] / burst['none']:.2f}x; blocks loaded per round "
+          f"{burst['loaded']} (expected {args.prefix // args.block_size}), store errors {burst['errors']}")
     print(f"\nbreak-even (this process, 1 thread, load {os.getloadavg()[0]:.2f}): "
           f"one block of {args.block_size} tokens")
     print(f"{'model':<8} {'params M':>9} {'KV bytes/block':>15} {'recompute ms':>13} {'load ms':>8} "
