@@ -217,19 +217,24 @@ def load_vs_recompute(model: TransformerLM, redis_url: str, args) -> dict:
 
 
 def engine_burst(model: TransformerLM, redis_url: str, args, prompts, rounds: int = 2) -> dict:
-    """B's burst without HTTP: the same 16 prompts added to a fresh LLMEngine at once, stepped until each
-    has its first token; with no store vs with a Redis tier holding the prefix (saved by another engine
-    first). Alternating rounds, none/redis/none/redis; returns the mean TTFT p50 per store."""
-    half = len(prompts) // 2
-    params = SamplingParams(max_tokens=1)
-    saver = LLMEngine(model, block_size=args.block_size, kv_connector=KVConnector([RedisTier(redis_url)]))
-    saver.generate(prompts[:1], params, use_tqdm=False)
-    saver.kv_connector.flush()
+    """B's burst without HTTP: B's prompts added to a fresh LLMEngine at once, stepped until each has its
+    first token; with no store vs with a Redis tier that holds only the prefix (an emptied Redis, then
+    one of A's prompts through another engine). Alternating rounds none/redis/none/redis; returns the
+    mean TTFT p50 per store."""
+    import redis
+
+    half, params = len(prompts) // 2, SamplingParams(max_tokens=1)
     p50s: dict[str, list[float]] = {"none": [], "redis": []}
     loaded, errors = [], 0
     for _ in range(rounds):
         for mode in p50s:
-            connector = KVConnector([RedisTier(redis_url)]) if mode == "redis" else None
+            connector = None
+            if mode == "redis":
+                redis.Redis.from_url(redis_url).flushall()
+                saver = LLMEngine(model, block_size=args.block_size, kv_connector=KVConnector([RedisTier(redis_url)]))
+                saver.generate(prompts[:1], params, use_tqdm=False)
+                saver.kv_connector.close()  # waits for the writer: the prefix is stored
+                connector = KVConnector([RedisTier(redis_url)])
             engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=half, kv_connector=connector)
             start, firsts = time.perf_counter(), []
             for prompt in prompts[half:]:

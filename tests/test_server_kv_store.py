@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from redis_support import RedisServer
+from kv_store_support import RedisServer
 from server_support import make_char_checkpoint, running_server
 
 from mini_transformer.server import build_context

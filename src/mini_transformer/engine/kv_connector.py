@@ -124,7 +124,7 @@ class KVConnector:
         self.tiers, self.write_behind = list(tiers), write_behind
         self.fingerprint = b""
         self._keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> its chain of keys
-        self._pending = None  # (seq, first block, [(tier name, K/V)]): what lookup found, for load
+        self._pending = None  # (seq, first block, its length, [(tier name, K/V)]): what lookup found, for load
         self.block_origin: dict[int, tuple[str, int]] = {}  # pool block id -> (tier, block generation)
         names = [t.name for t in self.tiers]
         self.counters = dict(lookups=0, lookup_blocks=0, hit_blocks=0, verify_failures=0, blocks_saved=0,
@@ -158,8 +158,8 @@ class KVConnector:
         one unbroken run; fetched and checked now, and kept for load(). Like the pool, only blocks inside
         the first num_tokens - 1 tokens count: the step must compute the last token for its logits."""
         pending = self._pending
-        if pending is not None and pending[0] is seq and pending[1] == num_cached_blocks:
-            return len(pending[2])  # the same request waiting for room: no second round trip
+        if pending is not None and pending[:3] == (seq, num_cached_blocks, seq.num_tokens):
+            return len(pending[3])  # the same request still waiting for room: no second round trip
         wanted = self.keys(seq, (seq.num_tokens - 1) // self.block_size)[num_cached_blocks:]
         self.counters["lookups"] += 1
         self.counters["lookup_blocks"] += len(wanted)
@@ -178,12 +178,12 @@ class KVConnector:
             if t:
                 self.tiers[0].put(wanted[i], value)  # promote: the next hit is a faster tier's
         self.counters["hit_blocks"] += len(found)
-        self._pending = (seq, num_cached_blocks, found)
+        self._pending = (seq, num_cached_blocks, seq.num_tokens, found)
         return len(found)
 
     def load(self, seq, block_ids: list[int], generations: list[int]) -> None:
         """Copy what lookup(seq, ...) found into the freshly allocated pool blocks `block_ids`."""
-        pending_seq, _, found = self._pending
+        pending_seq, _, _, found = self._pending
         assert pending_seq is seq and len(found) == len(block_ids), "load follows its lookup"
         self._pending = None
         bs = self.block_size
@@ -192,9 +192,6 @@ class KVConnector:
             self.block_origin[block_id] = (tier_name, generation)
             self.counters[f"blocks_loaded_{tier_name}"] += 1
             self.counters["bytes_loaded"] += kv.numel() * kv.element_size()
-
-    def forget_lookup(self) -> None:
-        self._pending = None
 
     # -------------------------------------------------------------------------------- saving
     def save(self, scheduled) -> None:
