@@ -61,6 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--plot", metavar="PNG", help="draw the block pool over time to this PNG")
     p.add_argument("--sampled", action="store_true", help="also: sampled vs greedy engine tokens/s, and a profile")
+    p.add_argument("--vocab-size", type=int, help="the model's vocabulary (default: the llama-style preset's 256)")
     p.add_argument("--rounds", type=int, default=2, help="--sampled: greedy/sampled runs, alternating")
     p.add_argument("--quick", action="store_true",
                    help="a small run (16 requests of 16-64 tokens, 8 prefix requests on a 64-token prefix)")
@@ -71,8 +72,9 @@ def parse_args(argv=None):
 
 
 def build_model(args) -> TransformerLM:
-    cfg = TransformerConfig.from_preset(
-        "llama-style", max_seq_len=max(2 * args.max_len, args.prefix_len + args.suffix_len + args.prefix_output))
+    vocab = {} if args.vocab_size is None else dict(vocab_size=args.vocab_size)
+    max_seq_len = max(2 * args.max_len, args.prefix_len + args.suffix_len + args.prefix_output)
+    cfg = TransformerConfig.from_preset("llama-style", max_seq_len=max_seq_len, **vocab)
     torch.manual_seed(args.seed)
     return TransformerLM(cfg).to(args.device).eval()
 

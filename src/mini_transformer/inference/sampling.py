@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .._checks import non_negative_int, number
+
 
 def _is_number(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | float)
@@ -133,18 +135,15 @@ class SamplingParams:
 def _checked_logit_bias(bias) -> tuple[tuple[int, float], ...]:
     """{token id: bias} (or (id, bias) pairs) -> sorted pairs; ids >= 0, biases finite in [-100, 100].
     Whether an id is inside the vocabulary is checked where the model is known (engine, generate)."""
-    pairs = bias.items() if isinstance(bias, dict) else bias
-    if not isinstance(pairs, tuple | list | type({}.items())):
+    if isinstance(bias, dict):
+        bias = tuple(bias.items())
+    if not isinstance(bias, tuple | list) or not all(isinstance(p, tuple | list) and len(p) == 2 for p in bias):
         raise TypeError(f"logit_bias={bias!r} must be a dict of token id -> bias")
-    pairs = list(pairs)
-    for pair in pairs:
-        if not (isinstance(pair, tuple | list) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0
-                and _is_number(pair[1]) and -MAX_LOGIT_BIAS <= pair[1] <= MAX_LOGIT_BIAS):
-            raise ValueError(f"logit_bias={bias!r} must map non-negative token ids to biases in "
-                             f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+    pairs = [(non_negative_int("logit_bias token id", token),
+              number(f"logit_bias[{token}]", value, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)) for token, value in bias]
     if len({token for token, _ in pairs}) != len(pairs):
         raise ValueError(f"logit_bias={bias!r} names a token id twice")
-    return tuple(sorted((token, float(value)) for token, value in pairs))
+    return tuple(sorted(pairs))
 
 
 def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
