@@ -121,7 +121,7 @@ def penalise(x: torch.Tensor, seqs: list[Sequence], values: torch.Tensor, counts
         x = x.index_put(index, to_device(bias, x.dtype, device), accumulate=True)
     if banned_rows:
         index = (to_device(banned_rows, torch.long, device), to_device(banned_ids, torch.long, device))
-        x = x.index_put(index, torch.tensor(float("-inf"), device=device))
+        x = x.index_put(index, torch.full((), float("-inf"), device=device))
     if any(slots):
         slot_index = to_device(slots, torch.long, device)
         output = counts.output[slot_index]  # (M, V)
