@@ -29,6 +29,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -305,6 +306,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stopped: the finally blocks stop Redis and the replicas
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
     prefix = [rng.randrange(len(CHARS)) for _ in range(args.prefix)]
