@@ -4,6 +4,8 @@ data report where blocks came from. Needs Debian's redis-server (skips without i
 
 from __future__ import annotations
 
+import shutil
+
 import httpx
 import pytest
 from kv_store_support import RedisServer
@@ -58,6 +60,33 @@ def test_two_replicas_share_prefix_blocks(checkpoint, redis_server):
         assert f'mini_transformer_kv_store_blocks_loaded{{tier="redis"}} {float(loaded)}' in metrics
         assert "mini_transformer_kv_store_lookup_hit_rate 1.0" in metrics
         assert "mini_transformer_kv_store_errors 0.0" in metrics
+        live_page_marks_loaded_blocks(b.url, loaded)
+
+
+def live_page_marks_loaded_blocks(url: str, loaded: int) -> None:
+    """The live page (headless Chromium, as tests/test_server_page.py drives it) marks the blocks that came
+    from Redis and names the store's counters; skipped where Chromium or Playwright is absent."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        return
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        return
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, headless=True,
+                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            page = browser.new_page()
+            errors = []
+            page.on("pageerror", lambda err: errors.append(str(err)))
+            page.goto(url + "/", timeout=30_000)
+            page.wait_for_function(f"document.querySelectorAll('#grid .block.from-redis').length === {loaded}",
+                                   timeout=30_000)
+            assert "blocks loaded redis " + str(loaded) in page.locator("#kv-store").text_content()
+            assert not errors, errors
+        finally:
+            browser.close()
 
 
 def test_bad_kv_store_options_are_refused(checkpoint):
