@@ -186,29 +186,40 @@ def test_triton_backend_walks_the_block_tables_in_its_kernel():
         LLMEngine(model, block_size=3, num_blocks=4)
 
 
-@pytest.mark.parametrize("backend, layout", [("sdpa", "gathered"), ("triton", "block_table")])
-def test_each_step_builds_only_the_metadata_layout_its_backend_reads(monkeypatch, backend, layout):
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_each_step_builds_its_metadata_once_from_the_persistent_block_table(monkeypatch, backend):
+    """One metadata build per step, every layer reads it; the block tables it gets are the rows of the
+    runner's persistent BlockTable, equal to each sequence's block list (rows freed when requests end)."""
     from mini_transformer.attention.paged import PagedAttentionMetadata
 
     if backend == "triton":
         pytest.importorskip("triton")
-    cfg = TransformerConfig(vocab_size=VOCAB, d_model=32, n_heads=2, n_layer=1, d_ff=32, max_seq_len=32,
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=32, n_heads=2, n_layer=2, d_ff=32, max_seq_len=32,
                             attn_backend=backend)
     model = TransformerLM(cfg).eval()
+    engine = LLMEngine(model, block_size=4, num_blocks=20, max_num_batched_tokens=6)
     built, build = [], PagedAttentionMetadata.build.__func__
 
-    def spy(cls, *args, **kwargs):
-        meta = build(cls, *args, **kwargs)
-        built.append(meta.layouts)
-        return meta
+    def spy(cls, tables, *args, **kwargs):
+        built.append(len(tables))
+        for row, blocks in zip(tables, [list(seq.block_table) for seq, _ in engine._plan], strict=True):
+            assert row[:len(blocks)].tolist() == blocks
+        return build(cls, tables, *args, **kwargs)
 
     monkeypatch.setattr(PagedAttentionMetadata, "build", classmethod(spy))
-    engine = LLMEngine(model, block_size=4, num_blocks=20)
-    assert engine.runner.attention_layout == layout
-    prompts = make_prompts()[:2]
+    prompts = make_prompts()[:3]
+    steps_before = engine.stats()["steps"]
+    original = engine.runner.prepare
+
+    def prepare(scheduled):
+        engine._plan = scheduled
+        return original(scheduled)
+
+    monkeypatch.setattr(engine.runner, "prepare", prepare)
     assert engine.generate(prompts, SamplingParams(max_tokens=3), use_tqdm=False) == [alone(model, p, 3)
                                                                                         for p in prompts]
-    assert built and set(built) == {(layout,)}
+    assert len(built) == engine.stats()["steps"] - steps_before  # once per step, not per layer
+    assert engine.runner.block_table.row_of == {}  # every finished request gave its row back
 
 
 def test_a_failing_forward_pass_ends_its_requests_and_leaves_the_engine_usable(model, monkeypatch):

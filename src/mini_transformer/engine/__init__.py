@@ -5,6 +5,9 @@ vLLM's names, one small file each:
   block_manager.py  BlockManager: the block pool, reference counts, the prefix cache (hash chain, LRU)
   scheduler.py      Scheduler: FCFS under a token budget, prefill chunks and decode tokens in one step
   model_runner.py   ModelRunner: the KV pool tensor and one packed forward pass through the same model
+  config.py         EngineConfig: every knob, one frozen dataclass checked once
+  block_table.py    BlockTable: each running sequence's block ids in one persistent array
+  cuda_graphs.py    DecodeGraphs: decode-only steps replayed as CUDA graphs (GPU)
   llm_engine.py     LLMEngine: add_request / step / abort / generate / stats / snapshot
   snapshot.py       EngineSnapshot: a frozen picture of the queues and the pool, for a server
   handoff.py        KVHandoff: a prefilled request moved to another engine (prefill/decode disaggregation)
@@ -13,12 +16,13 @@ vLLM's names, one small file each:
 from ..inference.sampling import SamplingParams
 from .block_manager import BlockManager
 from .handoff import KVHandoff
+from .config import EngineConfig
 from .llm_engine import InvalidRequest, LLMEngine
 from .model_runner import ModelRunner, PagedBatch
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestOutput, Sequence, SequenceStatus
-from .snapshot import EngineSnapshot, RequestSnapshot
+from .snapshot import EngineSnapshot, EngineStats, RequestSnapshot
 
-__all__ = ["BlockManager", "EngineSnapshot", "InvalidRequest", "KVHandoff", "LLMEngine", "ModelRunner", "PagedBatch",
+__all__ = ["BlockManager", "EngineConfig", "EngineSnapshot", "EngineStats", "InvalidRequest", "KVHandoff", "LLMEngine", "ModelRunner", "PagedBatch",
            "RequestOutput", "RequestSnapshot", "SamplingParams", "Scheduler", "SchedulerOutput", "Sequence",
            "SequenceStatus"]
