@@ -2,7 +2,8 @@
 
 One program per (sequence, query of that sequence, query head), reading the step's varlen fields
 (block_tables, context_lens, query_start_loc: see paged.py). Query i of sequence s is packed token
-query_start_loc[s] + i and sits at position p = context_len - query_len + i. The program walks the block table for the blocks that cover keys 0..p, loads one block of keys and values per iteration
+query_start_loc[s] + i and sits at position p = context_len - query_len + i. The program walks the
+block table for the blocks that cover keys 0..p, loads one block of keys and values per iteration
 straight from the pool (slot = block_id * block_size + offset) and keeps an online softmax (running
 max m, sum l, accumulator) in registers — the FlashAttention recurrence of `triton_flash.py`, one query
 row at a time. Decode steps, prefill chunks and whole prompts are the same program: a token simply

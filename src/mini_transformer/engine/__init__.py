@@ -15,14 +15,14 @@ vLLM's names, one small file each:
 
 from ..inference.sampling import SamplingParams
 from .block_manager import BlockManager
-from .handoff import KVHandoff
 from .config import EngineConfig
+from .handoff import KVHandoff
 from .llm_engine import InvalidRequest, LLMEngine
 from .model_runner import ModelRunner, PagedBatch
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestOutput, Sequence, SequenceStatus
 from .snapshot import EngineSnapshot, EngineStats, RequestSnapshot
 
-__all__ = ["BlockManager", "EngineConfig", "EngineSnapshot", "EngineStats", "InvalidRequest", "KVHandoff", "LLMEngine", "ModelRunner", "PagedBatch",
-           "RequestOutput", "RequestSnapshot", "SamplingParams", "Scheduler", "SchedulerOutput", "Sequence",
-           "SequenceStatus"]
+__all__ = ["BlockManager", "EngineConfig", "EngineSnapshot", "EngineStats", "InvalidRequest", "KVHandoff",
+           "LLMEngine", "ModelRunner", "PagedBatch", "RequestOutput", "RequestSnapshot", "SamplingParams",
+           "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus"]
