@@ -282,4 +282,4 @@ class LLMEngine:
     def snapshot(self) -> EngineSnapshot:
         """The queues, each request's block table, the pool block by block and the stats, all from one
         moment, as plain frozen data for a server's metrics and live page (call it on the engine's thread)."""
-        return EngineSnapshot.of(self.scheduler, self.block_manager, self.engine_stats())
+        return EngineSnapshot.of(self.scheduler, self.block_manager, self.engine_stats(), self.config.attn_backend)

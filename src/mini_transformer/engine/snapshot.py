@@ -98,6 +98,7 @@ class EngineSnapshot:
 
     block_size: int
     num_blocks: int
+    attn_backend: str  # the attention backend the model runs (paged attention reads the pool with it)
     running: tuple[RequestSnapshot, ...]
     waiting: tuple[RequestSnapshot, ...]
     block_ref_counts: tuple[int, ...]
@@ -105,9 +106,10 @@ class EngineSnapshot:
     stats: Mapping[str, int]  # read-only: LLMEngine.stats() as it was (EngineStats as a mapping)
 
     @classmethod
-    def of(cls, scheduler: Scheduler, manager: BlockManager, stats: EngineStats) -> EngineSnapshot:
+    def of(cls, scheduler: Scheduler, manager: BlockManager, stats: EngineStats, attn_backend: str
+           ) -> EngineSnapshot:
         return cls(
-            block_size=manager.block_size, num_blocks=manager.num_blocks,
+            block_size=manager.block_size, num_blocks=manager.num_blocks, attn_backend=attn_backend,
             running=tuple(map(RequestSnapshot.of, scheduler.running)),
             waiting=tuple(map(RequestSnapshot.of, scheduler.waiting)),
             block_ref_counts=tuple(block.ref_count for block in manager.blocks),

@@ -31,6 +31,7 @@ def engine_state(snapshot: EngineSnapshot, handles: dict) -> dict:
     several requests) and whether it holds a prefix-cached block (kept after its owners left)."""
     return {
         "block_size": snapshot.block_size,
+        "attn_backend": snapshot.attn_backend,
         "num_blocks": snapshot.num_blocks,
         "blocks_in_use": snapshot.blocks_in_use,
         "shared_blocks": snapshot.shared_blocks,
