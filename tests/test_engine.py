@@ -211,9 +211,9 @@ def test_each_step_builds_its_metadata_once_from_the_persistent_block_table(monk
     steps_before = engine.stats()["steps"]
     original = engine.runner.prepare
 
-    def prepare(scheduled):
+    def prepare(scheduled, extra_rows):
         engine._plan = scheduled
-        return original(scheduled)
+        return original(scheduled, extra_rows)
 
     monkeypatch.setattr(engine.runner, "prepare", prepare)
     assert engine.generate(prompts, SamplingParams(max_tokens=3), use_tqdm=False) == [alone(model, p, 3)

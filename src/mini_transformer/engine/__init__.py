@@ -8,6 +8,8 @@ vLLM's names, one small file each:
   config.py         EngineConfig: every knob, one frozen dataclass checked once
   block_table.py    BlockTable: each running sequence's block ids in one persistent array
   cuda_graphs.py    DecodeGraphs: decode-only steps replayed as CUDA graphs (GPU)
+  sampler.py        Sampler: every row's next token in one batched pass (per-row parameters, device-side
+                    token counts for the penalties), logprobs and prompt logprobs, one host read a step
   llm_engine.py     LLMEngine: add_request / step / abort / generate / stats / snapshot
   snapshot.py       EngineSnapshot: a frozen picture of the queues and the pool, for a server
   handoff.py        KVHandoff: a prefilled request moved to another engine (prefill/decode disaggregation)
@@ -19,10 +21,11 @@ from .config import EngineConfig
 from .handoff import KVHandoff
 from .llm_engine import InvalidRequest, LLMEngine
 from .model_runner import ModelRunner, PagedBatch
+from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import RequestOutput, Sequence, SequenceStatus
+from .sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
 from .snapshot import EngineSnapshot, EngineStats, RequestSnapshot
 
 __all__ = ["BlockManager", "EngineConfig", "EngineSnapshot", "EngineStats", "InvalidRequest", "KVHandoff",
-           "LLMEngine", "ModelRunner", "PagedBatch", "RequestOutput", "RequestSnapshot", "SamplingParams",
-           "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus"]
+           "LLMEngine", "ModelRunner", "PagedBatch", "RequestOutput", "RequestSnapshot", "Sampler",
+           "SamplingParams", "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus", "TokenLogprob"]

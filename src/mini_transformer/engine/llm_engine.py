@@ -142,6 +142,12 @@ class LLMEngine:
         if any(t >= cfg.vocab_size for t in stops):
             raise InvalidRequest("stop_token_ids", f"stop_token_ids={params.stop_token_ids} must be token ids in "
                                                    f"[0, {cfg.vocab_size})")
+        if params.logit_bias and params.logit_bias[-1][0] >= cfg.vocab_size:  # sorted by token id
+            raise InvalidRequest("logit_bias", f"logit_bias names token {params.logit_bias[-1][0]}; token ids are "
+                                               f"in [0, {cfg.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > cfg.vocab_size:
+                raise InvalidRequest(name, f"{name}={getattr(params, name)} exceeds the vocabulary ({cfg.vocab_size})")
         return prompt, stops
 
     def _prompt_list(self, prompt_token_ids) -> list[int]:

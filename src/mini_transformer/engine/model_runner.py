@@ -23,9 +23,9 @@ import torch
 
 from ..attention.paged import PagedAttentionMetadata, paged_attention, write_kv
 from ..config import TransformerConfig
-from ..inference.sampling import sample_next
 from ..model.transformer import Attend, TransformerLM
 from .block_table import BlockTable
+from .sampler import PromptLogprobs, Sampler, read_back
 from .sequence import Sequence
 
 
@@ -92,6 +92,7 @@ class ModelRunner:
             from .cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, max_num_seqs)
+        self.sampler = Sampler(cfg.vocab_size, self.device)
 
     def slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
         """(num_tokens,) the pool slots of a sequence's tokens 0 .. num_tokens-1, on the pool's device."""
@@ -112,9 +113,10 @@ class ModelRunner:
         """A request left the engine: free its row of the persistent block table."""
         self.block_table.release(request_id)
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]]):
+    def prepare(self, scheduled: list[tuple[Sequence, int]], extra_rows: list[int]):
         """The step's inputs, on the device: idx (1, N), positions (1, N), the rows whose logits are
-        sampled (M,), the attention metadata; plus, per pair, whether it samples (host)."""
+        wanted (M sampled rows, then `extra_rows`: prompt-logprob rows), the attention metadata; plus, per
+        pair, whether it samples (host)."""
         input_ids: list[int] = []
         last_rows: list[int] = []  # row of the packed batch whose logits pick each sampling sequence's token
         samples: list[bool] = []  # per pair: does this chunk reach the sequence's last token?
@@ -131,14 +133,15 @@ class ModelRunner:
         tables = self.block_table.table[self.block_table.rows_for([seq for seq, _ in scheduled])]
         meta = PagedAttentionMetadata.build(tables, context_lens, query_lens, self.block_size, self.device)
         N = len(input_ids)
-        packed = to_device(np.concatenate([np.asarray(input_ids), positions, np.asarray(last_rows, dtype=np.int64)]),
-                           self.device)
-        idx, pos, rows = packed.split([N, N, len(last_rows)])
+        rows = np.asarray(last_rows + list(extra_rows), dtype=np.int64)
+        packed = to_device(np.concatenate([np.asarray(input_ids), positions, rows]), self.device)
+        idx, pos, rows = packed.split([N, N, len(rows)])
         return idx.view(1, N), pos.view(1, N), rows, meta, samples
 
-    def forward(self, idx, positions, rows, meta) -> torch.Tensor:
-        """(M, V) logits at `rows`: a captured CUDA graph for a decode-only step that fits one, else eager."""
-        if self.graphs is not None and meta.is_decode_only and self.graphs.fits(idx.shape[1]):
+    def forward(self, idx, positions, rows, meta, graphable: bool = True) -> torch.Tensor:
+        """(len(rows), V) logits at `rows`: a captured CUDA graph for a decode-only step that fits one (its
+        rows are all the tokens, in order), else eager."""
+        if graphable and self.graphs is not None and meta.is_decode_only and self.graphs.fits(idx.shape[1]):
             return self.graphs.run(idx, positions, meta)
         batch = PagedBatch(self.kv_cache, positions, meta, self.paged)
         logits, _ = self.model(idx, cache=batch, logits_at=rows, check=False)  # (1, M, V): sampled rows only
@@ -147,25 +150,15 @@ class ModelRunner:
     def execute_model(self, scheduled: list[tuple[Sequence, int]]) -> list[int | None]:
         """One forward pass for the scheduled (sequence, num_new_tokens) pairs. Returns, per pair, the
         sampled next token, or None when the chunk does not reach the sequence's last token (its prefill
-        goes on next step). The sampled ids are read back to the host once, together."""
-        idx, positions, rows, meta, samples = self.prepare(scheduled)
+        goes on next step). The sampled ids (and the logprobs asked for) are read back to the host once,
+        together; logprobs go onto their sequences (engine/sampler.py)."""
+        prompt = PromptLogprobs.of(scheduled)  # prompt rows get the head only when a request asks for them
+        idx, positions, rows, meta, samples = self.prepare(scheduled, prompt.rows)
         samplers = [seq for (seq, _), sampled in zip(scheduled, samples, strict=True) if sampled]
-        logits = self.forward(idx, positions, rows, meta)  # (M, V)
-        next_ids = self.sample(logits, samplers).tolist() if samplers else []  # the one host read
-        tokens = iter(next_ids)
+        logits = self.forward(idx, positions, rows, meta, graphable=not prompt.rows)  # (M + R, V)
+        M = len(samplers)
+        out = self.sampler.sample(logits[:M], samplers) if samplers else None
+        if prompt.rows:
+            prompt.compute(logits[M:])
+        tokens = iter(read_back(out, samplers, prompt))  # the one host read
         return [next(tokens) if sampled else None for sampled in samples]
-
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """(M, V) logits -> (M,) ids. Plain greedy rows share one argmax; every other row samples on its
-        own with its sequence's generator, so its draws do not depend on what else is in the batch."""
-        next_ids = logits.float().argmax(dim=-1)  # (M,)
-        for row, seq in enumerate(seqs):
-            params = seq.params
-            if params.greedy and not params.repetition_penalty:
-                continue
-            previous = None  # the tokens so far matter only to the repetition penalty
-            if params.repetition_penalty:
-                previous = torch.tensor([seq.tokens], dtype=torch.long, device=self.device)  # (1, T)
-            next_ids[row] = sample_next(logits[row:row + 1], params, previous_ids=previous,
-                                        generator=seq.generator)[0]
-        return next_ids

@@ -96,7 +96,12 @@ class Scheduler:
                 self.finish(seq)
                 finished.append(seq)
                 c["requests_finished"] += 1
-            outputs.append(RequestOutput(seq.request_id, [token], seq.is_finished, seq.finish_reason))
+            logprobs = None if seq.params.logprobs is None else (seq.output_logprobs[-1],)
+            prompt_logprobs = None
+            if seq.needs_prompt_logprobs:  # complete by now: the first token needed the whole prompt computed
+                prompt_logprobs, seq.prompt_logprobs_sent = tuple(seq.prompt_logprobs), True
+            outputs.append(RequestOutput(seq.request_id, [token], seq.is_finished, seq.finish_reason, logprobs,
+                                         prompt_logprobs))
         return outputs, finished
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
