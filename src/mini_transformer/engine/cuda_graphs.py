@@ -28,9 +28,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_num_seqs: int):
-        from .model_runner import PagedBatch
-
+    def __init__(self, runner, PagedBatch, max_num_seqs: int):  # the runner passes its batch class: no cycle
         self.runner, self.sizes = runner, capture_sizes(max_num_seqs)
         largest, width, device = self.sizes[-1], runner.block_table.table.shape[1], runner.device
         self.scratch_slot = runner.scratch_block * runner.block_size

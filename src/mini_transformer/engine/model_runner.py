@@ -25,6 +25,7 @@ from ..attention.paged import PagedAttentionMetadata, paged_attention, write_kv
 from ..config import TransformerConfig
 from ..model.transformer import Attend, TransformerLM
 from .block_table import BlockTable
+from .cuda_graphs import DecodeGraphs
 from .sampler import PromptLogprobs, Sampler, read_back
 from .sequence import Sequence
 
@@ -89,9 +90,7 @@ class ModelRunner:
         self.block_table = BlockTable(-(-cfg.max_seq_len // block_size), rows=max_num_seqs)
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
-            from .cuda_graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs(self, max_num_seqs)
+            self.graphs = DecodeGraphs(self, PagedBatch, max_num_seqs)
         self.sampler = Sampler(cfg.vocab_size, self.device)
 
     def slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
@@ -130,7 +129,8 @@ class ModelRunner:
             if samples[-1]:
                 last_rows.append(len(input_ids) - 1)
         positions = np.concatenate([np.arange(c - n, c) for c, n in zip(context_lens, query_lens, strict=True)])
-        tables = self.block_table.table[self.block_table.rows_for([seq for seq, _ in scheduled])]
+        rows_of_seqs = self.block_table.rows_for([seq for seq, _ in scheduled])  # first: it may grow the table
+        tables = self.block_table.table[rows_of_seqs]
         meta = PagedAttentionMetadata.build(tables, context_lens, query_lens, self.block_size, self.device)
         N = len(input_ids)
         rows = np.asarray(last_rows + list(extra_rows), dtype=np.int64)
