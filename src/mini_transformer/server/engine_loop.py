@@ -272,7 +272,7 @@ class EngineLoop:
         now = time.monotonic()
         if not force and now - self._state_time < STATE_INTERVAL_S:
             return
-        snapshot = self.engine.snapshot()  # frozen, and consistent: taken under the engine's lock
+        snapshot = self.engine.snapshot()  # frozen, and consistent: taken here, on the engine's own thread
         m = self.metrics
         m.running.set(snapshot.num_running)
         m.waiting.set(snapshot.num_waiting)
