@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from ..inference.sampling import SamplingParams
 
@@ -35,17 +35,35 @@ MAX_N = 128  # choices per prompt (vLLM accepts this many too)
 MAX_STOP_STRINGS = 64  # a sane cap: each is searched for after every token
 MAX_STOP_LENGTH = 256  # characters; the longest one is held back from a stream until it cannot be a stop
 MAX_LOGPROBS = 20  # alternatives per token (vLLM's default max_logprobs; OpenAI's chat allows 20)
-SEED_RANGE = (-(2**63), 2**63 - 1)  # torch's int64: the engine seeds a torch.Generator with seed + choice
+# seeds: torch's int64 range (choice j draws with seed + j), its top cut to 2**63 - 1024, the largest
+# integer below 2**63 that a double holds exactly (schema tools compare bounds as doubles)
+SEED_RANGE = (-(2**63), 2**63 - 1024)
 # Known OpenAI / vLLM parameters this server cannot honour yet: sending one is a 400 naming it, never a
 # 200 that quietly ignored it. Other unknown fields are ignored (vLLM's default).
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
                "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                "audio", "modalities", "prediction", "suffix", "use_beam_search", "prompt_embeds")
 
-Count = Annotated[int, Field(ge=0)]
+
+
+def _whole_number(value):
+    """JSON Schema counts 3.0 as an integer; the strict models below would not: let a whole float through."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# The request models are strict (JSON types as the schema says: "1" is no integer, "yes" no boolean),
+# except that a whole float is an integer, as in JSON Schema.
+def Int(**bounds):  # noqa: N802 (a type)
+    return Annotated[int, Field(**bounds), BeforeValidator(_whole_number)]
+
+
+Count = Int(ge=0)
+Text = Annotated[str, Field(min_length=1)]  # a prompt: every non-empty text has at least one token
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)  # JSON types as the schema says: "1" is not an int, "yes" no bool
+
     include_usage: bool = False
 
 
@@ -53,13 +71,13 @@ class _SamplingFields(BaseModel):
     """The fields both endpoints share. A field in UNSUPPORTED is refused (400); other unknown ones are
     ignored, as vLLM does."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: Count | None = None  # 0 only with echo (completions): score the prompt, generate nothing
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None  # -1 or 0: off (vLLM's convention)
+    top_k: Int(ge=-1, le=2**31 - 1) | None = None  # -1 or 0: off (vLLM's convention)
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=1e6)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
@@ -71,9 +89,9 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[Count] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    seed: Int(ge=SEED_RANGE[0], le=SEED_RANGE[1]) | None = None
+    n: Int(ge=1, le=MAX_N) = 1
+    best_of: Int(ge=1, le=MAX_N) | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -138,34 +156,37 @@ TokenIds = Annotated[list[Count], Field(min_length=1)]
 
 class CompletionRequest(_SamplingFields):
     # text, several texts, token ids, or several lists of token ids
-    prompt: str | list[str] | TokenIds | list[TokenIds]
+    prompt: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
     echo: bool = False  # the prompt comes back in front of the text (and its logprobs with logprobs=N)
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
+
+
+class TextPart(BaseModel):
+    """OpenAI's content part; only text is understood here (an image or audio part is a 400)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    # a string, or OpenAI's list of content parts of which only {"type": "text"} is understood here
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            for part in self.content:
-                if part.get("type") != "text":
-                    kind = part.get("type")
-                    raise ErrorResponse(400, f"content parts of type {kind!r} are not supported; only 'text' is",
-                                        param="messages")
-            return "".join(str(p.get("text", "")) for p in self.content)
+            return "".join(part.text for part in self.content)
         return self.content or ""
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Int(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
 
 

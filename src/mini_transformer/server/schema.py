@@ -210,6 +210,10 @@ _MODEL_BOUNDS = {("CompletionRequest", "max_tokens"): "len", ("CompletionRequest
                  ("ChatCompletionRequest", "stop_token_ids"): "id", ("DetokenizeRequest", "tokens"): "id"}
 
 
+# text the tokenizer must encode (a character vocabulary knows only its characters)
+_TEXTS = (("CompletionRequest", "prompt"), ("ChatMessage", "content"), ("TextPart", "text"), ("TokenizeText", "prompt"))
+
+
 def install_openapi(app: FastAPI, ctx) -> None:
     """Replace app.openapi: FastAPI's schema, less the 422s, with the model's bounds written in."""
 
@@ -222,10 +226,20 @@ def install_openapi(app: FastAPI, ctx) -> None:
             components = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
+            for model in ("CompletionRequest", "ChatCompletionRequest"):  # the one model served
+                components[model]["properties"]["model"] = {"type": "string", "enum": [ctx.model_name]}
+            for model in ("TokenizeText", "TokenizeChat", "DetokenizeRequest"):
+                components[model]["properties"]["model"] = {
+                    "anyOf": [{"type": "string", "enum": [ctx.model_name]}, {"type": "null"}]}
             limits = {"len": ctx.max_model_len, "id": ctx.vocab_size - 1}
             for (model, prop), kind in _MODEL_BOUNDS.items():
                 if prop in components.get(model, {}).get("properties", {}):
                     _bound_integers(components[model]["properties"][prop], limits[kind])
+            pattern = _vocabulary_pattern(ctx.codec.tokenizer)
+            if pattern is not None:  # a character vocabulary: a text may hold its characters only
+                for model, prop in _TEXTS:
+                    if prop in components.get(model, {}).get("properties", {}):
+                        _pattern_strings(components[model]["properties"][prop], pattern)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -242,3 +256,25 @@ def _bound_integers(node, maximum: int) -> None:
     elif isinstance(node, list):
         for value in node:
             _bound_integers(value, maximum)
+
+
+def _vocabulary_pattern(tokenizer) -> str | None:
+    """For a character vocabulary, the regular expression of its texts: ^[chars]*$ (every character as a
+    \\uXXXX escape, which both JSON Schema's ECMA-262 and Python's re read); None for any other tokenizer,
+    or a vocabulary with a character outside the Basic Multilingual Plane (no \\uXXXX for it)."""
+    chars = getattr(tokenizer, "chars", None)
+    if tokenizer.kind != "char" or chars is None or any(ord(c) > 0xFFFF for c in chars):
+        return None
+    return "^[" + "".join(f"\\u{ord(c):04x}" for c in chars) + "]*$"
+
+
+def _pattern_strings(node, pattern: str) -> None:
+    """Set `pattern` on every string schema inside `node` that is not an enum."""
+    if isinstance(node, dict):
+        if node.get("type") == "string" and "enum" not in node and "const" not in node:
+            node["pattern"] = pattern
+        for value in node.values():
+            _pattern_strings(value, pattern)
+    elif isinstance(node, list):
+        for value in node:
+            _pattern_strings(value, pattern)

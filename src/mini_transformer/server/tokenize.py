@@ -15,28 +15,31 @@ from typing import Annotated
 from fastapi import Depends, FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
-from .protocol import ChatMessage, ErrorResponse
+from .protocol import ChatMessage, Count, ErrorResponse
 from .schema import describe
 
 
-class TokenizeRequest(BaseModel):
-    """Exactly one of `prompt` (text) and `messages` (rendered through the chat template first)."""
-
-    model_config = ConfigDict(extra="ignore")
+class _TokenizerRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    add_generation_prompt: bool = True
     add_special_tokens: bool = True  # accepted for vLLM's clients; our tokenizers add no special tokens
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeText(_TokenizerRequest):
+    prompt: str
 
-    model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+
+class TokenizeChat(_TokenizerRequest):
+    """The messages are rendered through the chat template first."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_TokenizerRequest):
+    tokens: list[Count]
 
 
 def add_tokenizer_routes(app: FastAPI, ctx, require_key) -> None:
@@ -48,11 +51,9 @@ def add_tokenizer_routes(app: FastAPI, ctx, require_key) -> None:
                                 param="model", code="model_not_found")
 
     @app.post("/tokenize", dependencies=[Depends(require_key)], **describe("tokenize"))
-    async def tokenize(body: TokenizeRequest):
+    async def tokenize(body: TokenizeText | TokenizeChat):
         check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise ErrorResponse(400, "give exactly one of prompt and messages", param="prompt")
-        if body.messages is not None:
+        if isinstance(body, TokenizeChat):
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             text, param = codec.render_chat(messages, body.add_generation_prompt), "messages"
         else:
