@@ -392,8 +392,9 @@ def test_an_eos_token_with_id_0_ends_the_choice(tmp_path):
     with torch.no_grad():
         for weight in {id(w): w for w in (model.tok_emb.weight, model.lm_head.weight)}.values():
             weight[[0, t]] = weight[[t, 0]]
-    model.save_pretrained(tmp_path)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "\n"}))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "\n"}))
+    model.save_pretrained(tmp_path)  # its manifest covers the changed tokenizer_config.json
     prompt = [swap.get(x, x) for x in prompt]
     model = TransformerLM.from_pretrained(tmp_path)
     full = offline_greedy(model, [prompt], 12)[0]

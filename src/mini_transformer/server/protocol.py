@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -152,11 +152,13 @@ class _SamplingFields(BaseModel):
 
 
 TokenIds = Annotated[list[Count], Field(min_length=1)]
+Texts = Annotated[list[Text], Field(min_length=1)]
+TokenIdLists = Annotated[list[TokenIds], Field(min_length=1)]
 
 
 class CompletionRequest(_SamplingFields):
     # text, several texts, token ids, or several lists of token ids
-    prompt: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+    prompt: Text | Texts | TokenIds | TokenIdLists
     echo: bool = False  # the prompt comes back in front of the text (and its logprobs with logprobs=N)
     logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
 
