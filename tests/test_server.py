@@ -192,6 +192,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, expected param)
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"999": 1}}, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"1": 101}}, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": ["hi"] * 10, "n": 128}, "n"),  # never fits: 400, not 429
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, None),

@@ -233,8 +233,8 @@ class EngineLoop:
             if out.finished:
                 del self._active[out.request_id]
                 self._observe_finished(handle, out.finish_reason, now)
-            batch.append((handle, StepOutput(new_ids, out.finished, out.finish_reason, tuple(getattr(out, 'logprobs', None) or ()),  # TODO-MERGE
-                                             tuple(getattr(out, 'prompt_logprobs', None) or ()))))
+            batch.append((handle, StepOutput(new_ids, out.finished, out.finish_reason, tuple(out.logprobs or ()),
+                                             tuple(out.prompt_logprobs or ()))))
         if batch:  # every handle lives on the server's one event loop
             batch[0][0].loop.call_soon_threadsafe(_put_all, batch)
         self.metrics.generation_tokens.inc(produced)

@@ -127,23 +127,20 @@ class _SamplingFields(BaseModel):
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """One choice's SamplingParams: choice j of a seeded request draws with seed + j, so the n
         choices differ from each other and each is reproducible. EOS is not among the stop ids here:
-        the engine was given the tokenizer's EOS and adds it (unless ignore_eos). The newer fields are
-        passed only when asked for, so a request that uses none of them needs nothing more of the engine."""
-        stops = tuple(self.stop_token_ids or ())
+        the engine was given the tokenizer's EOS and adds it (unless ignore_eos)."""
         top_k = self.top_k if self.top_k not in (None, -1, 0) else None
-        optional = dict(presence_penalty=self.presence_penalty or None, frequency_penalty=self.frequency_penalty
-                        or None, logit_bias=self.token_bias(vocab_size) or None, min_tokens=self.min_tokens or None,
-                        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature, top_k=top_k,
                 top_p=self.top_p, min_p=self.min_p or None, repetition_penalty=self.repetition_penalty,
-                max_tokens=max_tokens, stop_token_ids=stops,
-                ignore_eos=self.ignore_eos, seed=None if self.seed is None else self.seed + choice,
-                **{name: value for name, value in optional.items() if value is not None},
+                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                logit_bias=self.token_bias(vocab_size), min_tokens=self.min_tokens, max_tokens=max_tokens,
+                stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                seed=None if self.seed is None else self.seed + choice,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             )
-        except (TypeError, ValueError) as err:
-            param = next((name for name in (*optional, "max_tokens") if str(err).startswith(name + "=")), None)
+        except (TypeError, ValueError) as err:  # a rule across fields (min_tokens <= max_tokens): name the field
+            param = next((f for f in self.model_fields_set | {"max_tokens"} if str(err).startswith(f + "=")), None)
             raise ErrorResponse(400, str(err), param=param) from None
 
     @property
