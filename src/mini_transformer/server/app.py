@@ -25,13 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import InvalidRequest
 from . import protocol as P
 from .engine_loop import EngineLoop
+from .errors import install_error_handlers
 from .generation import ClientGone, Generation, Options
 from .logprobs import CompletionLogprobs, chat_logprobs
 from .metrics import ServerMetrics
@@ -76,7 +75,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     app = FastAPI(title="mini-transformer", lifespan=lifespan)
     app.state.ctx = ctx
-    _install_error_handlers(app, ctx)
+    install_error_handlers(app, ctx.metrics)
     install_openapi(app, ctx)
 
     async def require_key(request: Request) -> None:
@@ -165,39 +164,6 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     add_tokenizer_routes(app, ctx, require_key)
     return app
-
-
-def _install_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
-    def reply(err: ErrorResponse) -> JSONResponse:
-        ctx.metrics.rejected.labels(str(err.status)).inc()
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-    @app.exception_handler(ErrorResponse)
-    async def on_error(request, err: ErrorResponse):
-        return reply(err)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid(request, err: RequestValidationError):
-        first = err.errors()[0] if err.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = loc[0] if loc else None  # the top-level parameter, as OpenAI names it (the rest: union members)
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message, param = f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}", None
-        elif not loc:  # the body as a whole: not a JSON object (or sent without a JSON content type)
-            message = f"the body must be a JSON object (Content-Type: application/json): {message}"
-        elif param:
-            message = f"{'.'.join(loc)}: {message} (got {_short(first.get('input'))})"
-        return reply(ErrorResponse(400, message, param=param))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http(request, err: StarletteHTTPException):
-        return reply(ErrorResponse(err.status_code, str(err.detail), headers=err.headers))  # 405 keeps Allow
-
-
-def _short(value, limit: int = 200) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _check_common(ctx: ServerContext, body) -> None:
