@@ -291,3 +291,39 @@ def test_kill_at_every_line_of_a_save_then_resume_is_bit_identical(corpus, tmp_p
         assert all(torch.equal(v, reference.model.state_dict()[k]) for k, v in resumed.model.state_dict().items())
         assert sorted(p.name for p in case.iterdir()) == ["best", "last"], case.name  # leftovers removed
     assert len(resumed_states) >= 3  # before the renames, between them, after them
+
+
+def test_resume_from_another_working_directory_finds_a_relative_data_path(corpus, tmp_path, monkeypatch):
+    """The first run is given --data as a path relative to its working directory; `train --resume` from
+    another directory still reads the same text (the run keeps the file's absolute path)."""
+    monkeypatch.chdir(corpus.parent)
+    out = tmp_path / "run"
+    args = ["train", "--data", corpus.name, "--preset", "tiny", "--set", "max_seq_len=16", "--set", "progress=false",
+            "--set", "num_samples=0", "--set", "eval_batches=1", "--max-steps", "2", "--eval-interval", "2",
+            "--warmup-steps", "1", "--batch-size", "2", "--out", str(out)]
+    assert cli(args)[0] == 0
+    assert load_train_state(out / "last")["data_name"] == str(corpus.resolve())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    code, err = cli(["train", "--resume", str(out), "--max-steps", "4"])
+    assert code == 0, err
+    assert load_train_state(out / "last")["step"] == 4
+
+
+def test_a_tokenizer_of_another_size_is_refused_at_load_naming_both(finished_run, tmp_path):
+    """A checkpoint whose tokenizer has more characters than the model's vocabulary (swapped by hand and
+    the manifest rewritten, as its error message tells): sample refuses it before generating, naming both sizes
+    (it used to fail on the first id past the vocabulary)."""
+    from mini_transformer.tokenizer import CharTokenizer, load_tokenizer
+
+    broken = tmp_path / "broken"
+    shutil.copytree(finished_run / "best", broken)
+    chars = load_tokenizer(broken).chars
+    for name in ("vocab.json", "tokenizer.json", "tokenizer_config.json"):
+        (broken / name).unlink(missing_ok=True)
+    CharTokenizer(chars + ["\u2603"]).save(broken)
+    checkpoint.write_manifest(broken)
+    vocab = TransformerLM.from_pretrained(broken).config.vocab_size
+    code, err = cli(["sample", "--checkpoint", str(broken), "--prompt", chars[1], "--max-new-tokens", "2"])
+    assert code != 0 and f"{vocab + 1} tokens" in err and f"vocab_size is {vocab}" in err, err

@@ -65,7 +65,7 @@ def _run_sample(args) -> None:
     from ..inference.generate import generate_long
     from ..inference.sampling import SamplingParams
     from ..model.transformer import TransformerLM
-    from ..tokenizer import load_tokenizer
+    from ..tokenizer import check_vocab_size, load_tokenizer
     from ..training.runtime import resolve_device
 
     prompts = _read_prompts(args)
@@ -79,6 +79,7 @@ def _run_sample(args) -> None:
     checkpoint = resolve_checkpoint_dir(args.checkpoint)  # `best` is found even mid-save
     model = _load_sample_model(args, checkpoint, device)  # verifies the manifest first
     tokenizer = load_tokenizer(checkpoint)
+    check_vocab_size(tokenizer, model.config.vocab_size, checkpoint)
     out = sys.stdout
     if args.tensor_parallel:  # every rank runs the same loop on its shard; only rank 0 prints
         if len(prompts) > 1:

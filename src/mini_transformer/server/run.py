@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..checkpoint import resolve_checkpoint_dir
 from ..model.transformer import TransformerLM
+from ..tokenizer import check_vocab_size
 from .app import ServerContext, create_app
 from .engine_loop import EngineLoop
 from .metrics import ServerMetrics
@@ -39,6 +40,7 @@ def build_context(checkpoint: str | Path, *, model_name: str | None = None, api_
     codec = TextCodec(checkpoint)
     if model is None:  # verifies the checkpoint's manifest first
         model = TransformerLM.from_pretrained(checkpoint, device=device)
+    check_vocab_size(codec.tokenizer, model.config.vocab_size, checkpoint)  # refused here, not mid-generation
     connector = kv_connector(kv_store, host_kv_bytes)
     # the engine adds EOS to each request's stop ids itself (SamplingParams.stops), unless ignore_eos
     engine = LLMEngine(model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,

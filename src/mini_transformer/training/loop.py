@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from ..config import TransformerConfig
 from ..model.transformer import TransformerLM
-from ..tokenizer import build_tokenizer, load_tokenizer
+from ..tokenizer import build_tokenizer, check_vocab_size, load_tokenizer
 from .config import TrainConfig
 from .data import get_batch, load_text, split_tokens
 from .io import (
@@ -122,7 +122,11 @@ def _prepare(cfg: TrainConfig, model_cfg: TransformerConfig | None, ckpt: Path |
         _check_resumable(cfg, state, ckpt)
         tokenizer = load_tokenizer(ckpt)
         model = TransformerLM.from_pretrained(ckpt, **(model_cfg or {}))
-        text, _ = load_text(state["data_name"] if cfg.data is None else cfg.data)
+        check_vocab_size(tokenizer, model.config.vocab_size, ckpt)
+        # the saved run's own data unless another is given: data_name is an absolute path (found from any
+        # working directory), where the saved --data may be relative to the first run's
+        same_data = cfg.data is None or cfg.data == state["train_config"].get("data")
+        text, _ = load_text(state["data_name"] if same_data else cfg.data)
         return text, tokenizer, model, state
     if model_cfg is None:
         model_cfg = TransformerConfig.from_preset("shakespeare-char")
