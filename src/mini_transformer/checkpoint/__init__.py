@@ -106,11 +106,12 @@ def previous_dir(path: Path) -> Path:
     return path.with_name(f".{path.name}.old")
 
 
-def resolve_checkpoint_dir(path: str | Path, run_checkpoints: tuple[str, ...] = ("best",)) -> Path:
+def resolve_checkpoint_dir(path: str | Path, run_checkpoints: tuple[str, ...] = ("best",), *,
+                           say: bool = True) -> Path:
     """The checkpoint directory that `path` names:
     - a run directory (`train`'s --out: no config.json of its own) means its first checkpoint among
-      `run_checkpoints` that exists (`best` to load a model, `last` then `best` to resume); a line on
-      stderr says which one, so a user who typed the run directory knows what was loaded;
+      `run_checkpoints` that exists (`best` to load a model, `last` then `best` to resume); unless `say` is
+      False, a line on stderr says which one, so a user who typed the run directory knows what was loaded;
     - a checkpoint missing for a moment because a kill fell between the two renames of a save means the
       previous one, still under its `.NAME.old` name."""
     path = Path(path)
@@ -120,7 +121,8 @@ def resolve_checkpoint_dir(path: str | Path, run_checkpoints: tuple[str, ...] = 
         for name in run_checkpoints:
             checkpoint = resolve_checkpoint_dir(path / name)
             if checkpoint.is_dir():
-                print(f"{path} is a run directory: loading its {name} checkpoint {checkpoint}", file=sys.stderr)
+                if say:
+                    print(f"{path} is a run directory: loading its {name} checkpoint {checkpoint}", file=sys.stderr)
                 return checkpoint
     return path
 
