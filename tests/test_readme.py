@@ -16,7 +16,8 @@ How each example is run, and the only things that differ from a user's shell:
   signatures) get the inputs PLACEHOLDERS defines, shaped as the README's comments say.
 A step fails on a non-zero exit or an OpenAI error object in its output (curl prints a 400's body and
 exits 0). Skipped, with the reason: `pytest` (the suite this test belongs to), `torchrun` where gloo is
-missing, lines that need CUDA on a machine without it. Every step has a time limit: nothing hangs.
+missing, lines that need CUDA on a machine without it, a `redis://HOST:PORT` where no server answers.
+Every step has a time limit: nothing hangs.
 """
 
 from __future__ import annotations
@@ -219,6 +220,9 @@ class Runner:
             return "skipped", "the test suite itself (this test is part of it)"
         if "cuda" in step.text and not _has_cuda():
             return "skipped", "needs a CUDA device"
+        redis = re.search(r"redis://([\w.]+):(\d+)", step.text)
+        if redis and not _listening(redis.group(1), int(redis.group(2))):
+            return "skipped", f"needs a Redis server at {redis.group(0)} (none answers here)"
         if "torchrun" in words and not self.has_gloo:
             return "skipped", "torch.distributed with gloo is not available here"
         if "serve" in words and any(w.endswith(("mini-transformer", "mini_transformer.cli")) for w in words):
@@ -279,6 +283,14 @@ class Runner:
         if proc.returncode != 0:
             self.results.append(("failed", f"the server of {source} exited with {proc.returncode} after SIGTERM: "
                                            f"{log.read_text()[-2000:]}"))
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 def _has_gloo() -> bool:
