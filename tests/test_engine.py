@@ -136,7 +136,8 @@ def test_abort_frees_blocks_at_once(model):
     ([1, VOCAB], SamplingParams(), "vocab_size"),
     ([1, -1], SamplingParams(), "vocab_size"),
     ([[1, 2]], SamplingParams(), "token ids"),
-    ([1] * 60, SamplingParams(max_tokens=10), "max_seq_len"),
+    ([1] * 60, SamplingParams(max_tokens=10), r"max_seq_len=64; max_tokens <= 4 fits after this prompt"),
+    ([1] * 64, SamplingParams(max_tokens=1), r"max_seq_len=64; shorten the prompt"),
     ([1] * 20, SamplingParams(max_tokens=30), "num_blocks"),
     ([1, 2], SamplingParams(stop_token_ids=[VOCAB + 3]), "stop_token_ids"),
 ])

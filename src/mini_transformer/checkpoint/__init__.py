@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -105,12 +106,24 @@ def previous_dir(path: Path) -> Path:
     return path.with_name(f".{path.name}.old")
 
 
-def resolve_checkpoint_dir(path: str | Path) -> Path:
-    """`path`, or the previous checkpoint under its `.NAME.old` name when a kill fell between the two
-    renames of a save (then `path` itself does not exist for a moment)."""
+def resolve_checkpoint_dir(path: str | Path, run_checkpoints: tuple[str, ...] = ("best",), *,
+                           say: bool = True) -> Path:
+    """The checkpoint directory that `path` names:
+    - a run directory (`train`'s --out: no config.json of its own) means its first checkpoint among
+      `run_checkpoints` that exists (`best` to load a model, `last` then `best` to resume); unless `say` is
+      False, a line on stderr says which one, so a user who typed the run directory knows what was loaded;
+    - a checkpoint missing for a moment because a kill fell between the two renames of a save means the
+      previous one, still under its `.NAME.old` name."""
     path = Path(path)
     if not path.exists() and previous_dir(path).is_dir():
         return previous_dir(path)
+    if path.is_dir() and not (path / CONFIG_NAME).exists() and not (path / MANIFEST_NAME).exists():
+        for name in run_checkpoints:
+            checkpoint = resolve_checkpoint_dir(path / name)
+            if checkpoint.is_dir():
+                if say:
+                    print(f"{path} is a run directory: loading its {name} checkpoint {checkpoint}", file=sys.stderr)
+                return checkpoint
     return path
 
 
@@ -229,7 +242,8 @@ def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig, d
         verify_checkpoint(path)  # first: a damaged file is named before anything reads it
     config_file = path / CONFIG_NAME
     if not config_file.is_file():
-        raise ValueError(f"path={str(path)!r} has no {CONFIG_NAME}; expected a checkpoint directory")
+        raise ValueError(f"path={str(path)!r} has no {CONFIG_NAME}; expected a checkpoint directory "
+                         f"(or a run directory holding {CHECKPOINT_NAMES[0]}/)")
     raw = read_json(config_file)
     ours = raw.get("model_type") == MODEL_TYPE
     if ours and not has_manifest:

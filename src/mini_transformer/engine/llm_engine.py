@@ -140,8 +140,10 @@ class LLMEngine:
         prompt = self._prompt_list(prompt_token_ids)
         total = len(prompt) + params.max_tokens
         if total > cfg.max_seq_len:
+            room = cfg.max_seq_len - len(prompt)  # what fits: the prompt and its new tokens share the context
+            fits = f"max_tokens <= {room} fits after this prompt" if room > 0 else "shorten the prompt"
             raise InvalidRequest("max_tokens", f"prompt length {len(prompt)} + max_tokens {params.max_tokens} = "
-                                               f"{total} exceeds the model's max_seq_len={cfg.max_seq_len}")
+                                               f"{total} exceeds the model's max_seq_len={cfg.max_seq_len}; {fits}")
         needed = blocks_for(total - 1, self.block_size)  # the last token is sampled, never written to the cache
         if needed > self.num_blocks:
             raise InvalidRequest("max_tokens", f"this request needs up to {needed} KV blocks of {self.block_size} "

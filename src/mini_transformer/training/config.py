@@ -11,19 +11,22 @@ from ..config import DictIO, _check_choice, _check_positive_int
 Precision = Literal["auto", "fp32", "bf16", "fp16"]  # auto: bf16/fp16 autocast on CUDA, fp32 elsewhere
 TokenizerKind = Literal["char", "bpe"]
 PRECISIONS, TOKENIZERS = get_args(Precision), get_args(TokenizerKind)
+# Tokens per micro-batch when batch_size is left out: nanoGPT's CPU "baby" run cuts 12 sequences of 64. Keeping
+# the tokens (not the sequences) fixed lets a longer context train in about the same time per step.
+BATCH_TOKENS = 768
 
 
 @dataclass
 class TrainConfig(DictIO):
     """Everything about HOW to train (the model's shape lives in TransformerConfig).
 
-    Defaults reproduce nanoGPT's CPU "baby" Shakespeare run.
+    Defaults follow nanoGPT's CPU "baby" Shakespeare run (lr, schedule, 2000 steps, 768 tokens per step).
     """
 
     data: str | None = None  # shakespeare | pydoc | a file path; None = shakespeare, else pydoc
     tokenizer: TokenizerKind = "char"
     bpe_vocab_size: int = 1024  # only for tokenizer="bpe"
-    batch_size: int = 12  # sequences per micro-batch, per rank
+    batch_size: int | None = None  # sequences per micro-batch, per rank; None = BATCH_TOKENS // block_size
     block_size: int | None = None  # tokens per sequence; None = the model's max_seq_len
     grad_accum_steps: int = 1  # micro-batches summed into one update
     max_steps: int = 2000  # optimizer updates
@@ -51,10 +54,10 @@ class TrainConfig(DictIO):
     def __post_init__(self) -> None:
         _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
         _check_choice("precision", self.precision, PRECISIONS)
-        for name in ("bpe_vocab_size", "batch_size", "grad_accum_steps", "max_steps", "eval_interval",
+        for name in ("bpe_vocab_size", "grad_accum_steps", "max_steps", "eval_interval",
                      "eval_batches", "sample_tokens"):
             _check_positive_int(name, getattr(self, name))
-        for name in ("block_size", "lr_decay_steps"):
+        for name in ("batch_size", "block_size", "lr_decay_steps"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         for name in ("num_samples", "seed", "warmup_steps"):
@@ -84,6 +87,10 @@ class TrainConfig(DictIO):
         for name in ("device", "out_dir"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a string")
+
+    def sequences_per_batch(self, block_size: int) -> int:
+        """batch_size, or as many sequences of `block_size` as fill BATCH_TOKENS (3 at 256, 12 at 64)."""
+        return self.batch_size if self.batch_size is not None else max(1, BATCH_TOKENS // block_size)
 
     @property
     def decay_steps(self) -> int:

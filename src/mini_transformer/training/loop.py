@@ -15,7 +15,7 @@ import contextlib
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -89,7 +89,7 @@ def estimate_loss(model, splits: dict, cfg: TrainConfig, block_size: int, device
         generator = torch.Generator().manual_seed(cfg.seed + 1)
         losses = []
         for _ in range(cfg.eval_batches):
-            x, y = get_batch(data, cfg.batch_size, block_size, generator)
+            x, y = get_batch(data, cfg.sequences_per_batch(block_size), block_size, generator)
             with amp():
                 losses.append(model(x.to(device), y.to(device), check=False)[1].detach().float())
         out[name] = torch.stack(losses).mean().item()
@@ -261,6 +261,7 @@ def _start(cfg: TrainConfig, model_cfg, ckpt: Path | None, rank: int, world_size
     block_size = cfg.block_size or model.config.max_seq_len
     if block_size > model.config.max_seq_len:
         raise ValueError(f"block_size={block_size} exceeds the model's max_seq_len={model.config.max_seq_len}")
+    cfg = replace(cfg, batch_size=cfg.sequences_per_batch(block_size))  # saved as a number: resume keeps it
     ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
     train_data, val_data = split_tokens(ids, block_size)
     model.to(device)
