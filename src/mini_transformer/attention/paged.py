@@ -67,6 +67,14 @@ GATHERED, BLOCK_TABLE = "gathered", "block_table"
 LAYOUTS = (GATHERED, BLOCK_TABLE)
 
 
+def check_layouts(layouts) -> tuple[str, ...]:
+    """A non-empty sequence of LAYOUTS, as a tuple: what `PagedAttentionMetadata.build` may be asked for.
+    Checked once by whoever fixes the layouts (the engine, from its backend), not at every step."""
+    if isinstance(layouts, str) or not isinstance(layouts, Sequence) or not layouts or not set(layouts) <= set(LAYOUTS):
+        raise ValueError(f"layouts={layouts!r} must be a non-empty sequence of {LAYOUTS}")
+    return tuple(layouts)
+
+
 @dataclass
 class PagedAttentionMetadata:
     """Where every token of one engine step lives, built once per step (every layer reuses it).
@@ -93,13 +101,12 @@ class PagedAttentionMetadata:
               layouts: Sequence[str] = LAYOUTS):
         """block_tables[s]: block ids of sequence s; context_lens[s]: its keys after this step (cached +
         new); query_lens[s]: its new tokens, the last query_lens[s] of its keys. `layouts`: which of
-        GATHERED and BLOCK_TABLE to build (the slot mapping comes with either). Plain Python lists in,
+        GATHERED and BLOCK_TABLE to build (the slot mapping comes with either), checked once by its owner
+        with `check_layouts` (the engine builds metadata every step and trusts it). Plain Python lists in,
         a few index tensors out. They are built on the CPU (the host knows all of this from scheduling)
         and copied to `device` once: no value is ever read back from the device."""
         lens = zip(block_tables, context_lens, query_lens, strict=True)
         assert all(0 < n_new <= n_keys <= len(table) * block_size for table, n_keys, n_new in lens)
-        if isinstance(layouts, str) or not layouts or not set(layouts) <= set(LAYOUTS):
-            raise ValueError(f"layouts={layouts!r} must be a non-empty sequence of {LAYOUTS}")
         max_blocks = max(len(table) for table in block_tables)
         tables = torch.tensor([list(t) + [0] * (max_blocks - len(t)) for t in block_tables])  # (S, Bmax)
         token_seq = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # (N,)
@@ -176,10 +183,8 @@ def paged_attention(
 
     `attend(q, k, v, key_padding_mask)` is a contiguous attention (causal, queries at the end of the keys),
     by default the naive reference; the model passes its own `Attend`, so the configured backend runs.
-    Returns (N, H, D) in the order of q."""
-    if GATHERED not in meta.layouts:
-        raise ValueError(f"meta was built with layouts={meta.layouts}; paged_attention reads {GATHERED!r}: "
-                         "build the metadata with it")
+    `meta` must hold the GATHERED layout (the engine chose its layout once, from the backend; this runs in
+    every layer of every step and trusts it). Returns (N, H, D) in the order of q."""
     attend = attend or _naive
     N, H, D = q.shape
     out = q.new_empty(N, H, D)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .._checks import path_like
 from ..config import TransformerConfig
 from .hf import config_from_hf, convert_hf_state, read_hf_weights
 
@@ -209,8 +209,7 @@ def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig, d
     swaps in the quantized linears, so the saved tensors fit them (this module never builds a model).
     Ours must pass its manifest; a HF directory (no manifest) may name only files inside itself.
     `overrides` change config fields (e.g. attn_backend="sdpa")."""
-    if not isinstance(path, str | os.PathLike):
-        raise TypeError(f"path={path!r} must be a directory path (str or os.PathLike)")
+    path_like("path", path, "a directory path")
     path = resolve_checkpoint_dir(path)
     has_manifest = (path / MANIFEST_NAME).exists()
     if has_manifest:

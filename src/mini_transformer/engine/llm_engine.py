@@ -23,6 +23,7 @@ from collections.abc import Sequence as Seq
 import torch
 from tqdm import tqdm
 
+from .._checks import boolean, instance, positive_int, power_of_two, token_id, token_ids
 from ..inference.sampling import SamplingParams
 from ..model.transformer import TransformerLM
 from . import handoff
@@ -32,12 +33,6 @@ from .model_runner import ModelRunner, bytes_per_block
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
 from .snapshot import EngineSnapshot
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
-    return value
 
 
 def default_kv_cache_bytes(device: torch.device) -> int:
@@ -74,19 +69,17 @@ class LLMEngine:
         neither, a share of memory (capped at what max_num_seqs full-length sequences could use).
         `eos_token_id` ends a request unless its SamplingParams say ignore_eos. The model is put in eval
         mode (the engine only runs inference) and is used as it is: its device and dtype are the pool's."""
-        if not isinstance(model, TransformerLM):
-            raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
+        instance("model", model, TransformerLM)
         cfg = model.config
-        _positive_int("block_size", block_size)
-        if cfg.attn_backend == "triton" and block_size & (block_size - 1):
-            raise ValueError(f"block_size={block_size}: the triton backend's paged kernel needs a power of two")
-        _positive_int("max_num_seqs", max_num_seqs)
-        _positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        if not isinstance(enable_prefix_caching, bool):
-            raise TypeError(f"enable_prefix_caching={enable_prefix_caching!r} must be a bool")
-        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)
-                                         or not 0 <= eos_token_id < cfg.vocab_size):
-            raise ValueError(f"eos_token_id={eos_token_id!r} must be None or a token id in [0, {cfg.vocab_size})")
+        positive_int("block_size", block_size)
+        if cfg.attn_backend == "triton":  # the triton backend's paged kernel needs a power of two
+            power_of_two("block_size", block_size)
+        positive_int("max_num_seqs", max_num_seqs)
+        positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        boolean("enable_prefix_caching", enable_prefix_caching)
+        if eos_token_id is not None:
+            token_id("eos_token_id", eos_token_id, cfg.vocab_size)
+        model.check_backend(training=False)  # the engine runs in eval mode; the paged kernel trusts this
         weight = model.tok_emb.weight
         block_bytes = bytes_per_block(cfg, block_size, weight.dtype)
         if num_blocks is not None and kv_cache_bytes is not None:
@@ -96,12 +89,12 @@ class LLMEngine:
                 cap = max_num_seqs * blocks_for(cfg.max_seq_len, block_size)
                 num_blocks = max(1, min(cap, default_kv_cache_bytes(weight.device) // block_bytes))
             else:
-                _positive_int("kv_cache_bytes", kv_cache_bytes)
+                positive_int("kv_cache_bytes", kv_cache_bytes)
                 num_blocks = kv_cache_bytes // block_bytes
                 if num_blocks < 1:
                     raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is smaller than one block "
                                      f"({block_bytes} bytes at block_size={block_size})")
-        _positive_int("num_blocks", num_blocks)
+        positive_int("num_blocks", num_blocks)
 
         self.model = model.eval()
         self.config = cfg
@@ -126,8 +119,13 @@ class LLMEngine:
         disturbed."""
         params = SamplingParams() if params is None else params
         prompt, stops = self.check_request(prompt_token_ids, params)
+        return self.add_checked_request(prompt, params, request_id)
+
+    def add_checked_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """add_request behind a door that already ran `check_request(prompt, params)` and got `prompt`
+        back (a server's HTTP thread does, then hands the request to the engine thread): no check again."""
         with self._lock:
-            seq = self._new_sequence(prompt, params, stops, request_id)
+            seq = self._new_sequence(prompt, params, params.stops(self.eos_token_id), request_id)
             self.scheduler.add(seq)
         return seq.request_id
 
@@ -147,8 +145,7 @@ class LLMEngine:
         InvalidRequest naming the argument at fault. It reads only what __init__ fixed, so a server's
         HTTP thread may call it to refuse a request before it reaches the engine thread."""
         cfg = self.config
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        instance("params", params, SamplingParams)
         prompt = self._prompt_list(prompt_token_ids)
         total = len(prompt) + params.max_tokens
         if total > cfg.max_seq_len:
@@ -159,30 +156,17 @@ class LLMEngine:
             raise InvalidRequest("max_tokens", f"this request needs up to {needed} KV blocks of {self.block_size} "
                                                f"tokens but the pool has only num_blocks={self.num_blocks}; "
                                                "shorten it or give the engine more blocks")
-        stops = params.stops(self.eos_token_id)
-        if any(t >= cfg.vocab_size for t in stops):
-            raise InvalidRequest("stop_token_ids", f"stop_token_ids={params.stop_token_ids} must be token ids in "
-                                                   f"[0, {cfg.vocab_size})")
-        return prompt, stops
+        try:
+            token_ids("stop_token_ids", params.stop_token_ids, cfg.vocab_size, empty=True)
+        except ValueError as err:
+            raise InvalidRequest("stop_token_ids", str(err)) from None
+        return prompt, params.stops(self.eos_token_id)
 
     def _prompt_list(self, prompt_token_ids) -> list[int]:
-        if isinstance(prompt_token_ids, torch.Tensor):
-            if prompt_token_ids.dim() != 1 or prompt_token_ids.is_floating_point():
-                shape, dtype = tuple(prompt_token_ids.shape), prompt_token_ids.dtype
-                raise InvalidRequest("prompt_token_ids", f"prompt_token_ids must be a 1-D integer tensor, got "
-                                                         f"shape {shape} of dtype {dtype}")
-            prompt_token_ids = prompt_token_ids.tolist()
-        if not isinstance(prompt_token_ids, list | tuple):
-            raise TypeError(f"prompt_token_ids must be a list of token ids, got {type(prompt_token_ids).__name__}")
-        if not prompt_token_ids:
-            raise InvalidRequest("prompt_token_ids",
-                                 "prompt_token_ids is empty; a request needs at least one prompt token")
-        vocab = self.config.vocab_size
-        for token in prompt_token_ids:
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                raise InvalidRequest("prompt_token_ids", f"prompt_token_ids contains {token!r}, expected token ids "
-                                                         f"in [0, vocab_size={vocab})")
-        return list(prompt_token_ids)
+        try:
+            return token_ids("prompt_token_ids", prompt_token_ids, self.config.vocab_size)
+        except ValueError as err:  # a TypeError (not a list at all) is the caller's bug, not a request to refuse
+            raise InvalidRequest("prompt_token_ids", str(err)) from None
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. False if it is unknown or already finished."""
@@ -207,7 +191,7 @@ class LLMEngine:
         """An empty (2, n_layer, num_tokens, Hkv, D) CPU tensor of the pool's dtype: where a receiver
         puts the K/V of a handoff before adopt_prefilled."""
         cfg = self.config
-        _positive_int("num_tokens", num_tokens)
+        positive_int("num_tokens", num_tokens)
         return torch.empty(2, cfg.n_layer, num_tokens, cfg.n_kv_heads, cfg.d_head, dtype=self.runner.dtype)
 
     def adopt_prefilled(self, kv_handoff: KVHandoff, params: SamplingParams | None = None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.paged import BLOCK_TABLE, GATHERED, PagedAttentionMetadata, paged_attention, write_kv
+from ..attention.paged import BLOCK_TABLE, GATHERED, PagedAttentionMetadata, check_layouts, paged_attention, write_kv
 from ..config import TransformerConfig
 from ..inference.sampling import sample_next
 from ..model.transformer import Attend, TransformerLM
@@ -68,6 +68,7 @@ class ModelRunner:
         self.model, self.block_size = model, block_size
         # decided once: the metadata of every step is built in the one layout this backend reads
         self.attention_layout = attention_layout(cfg.attn_backend)
+        self.layouts = check_layouts((self.attention_layout,))  # every step's metadata is built with these
         assert all(m.backend == cfg.attn_backend for m in model.modules() if isinstance(m, Attend)), \
             "every layer must attend with the configured backend: the step metadata has its layout only"
         self.device, self.dtype = weight.device, weight.dtype
@@ -108,7 +109,7 @@ class ModelRunner:
                 samplers.append(seq)
         meta = PagedAttentionMetadata.build(
             [seq.block_table for seq, _ in scheduled], [seq.num_computed_tokens + n for seq, n in scheduled],
-            [n for _, n in scheduled], self.block_size, self.device, layouts=(self.attention_layout,),
+            [n for _, n in scheduled], self.block_size, self.device, layouts=self.layouts,
         )
         idx = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # (1, N)
         batch = PagedBatch(self.kv_cache, torch.tensor([positions], device=self.device), meta)
