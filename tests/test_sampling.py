@@ -259,7 +259,7 @@ def test_logit_bias_and_min_tokens():
         (dict(logit_bias=[(1, 1.0), (1, 2.0)]), ValueError, "names a token id twice"),
         (dict(logit_bias="x"), TypeError, "logit_bias='x'"),
         (dict(min_tokens=5, max_tokens=4), ValueError, "min_tokens=5 must be <= max_tokens=4"),
-        (dict(min_tokens=-1), ValueError, "min_tokens=-1 must be >= 0"),
+        (dict(min_tokens=-1), ValueError, "min_tokens=-1 must be a non-negative integer"),
         (dict(logprobs=-1), ValueError, "logprobs=-1"),
         (dict(prompt_logprobs=1.0), TypeError, "prompt_logprobs=1.0 must be an int"),
     ],

@@ -69,7 +69,9 @@ def _run_sample(args) -> None:
     from ..training.runtime import resolve_device
 
     prompts = _read_prompts(args)
-    params = SamplingParams(  # the door of every sampling flag (--max-new-tokens is its max_tokens)
+    if args.max_new_tokens < 1:  # the one flag whose name is not its SamplingParams field's (max_tokens)
+        raise ValueError(f"--max-new-tokens: max_new_tokens={args.max_new_tokens} must be a positive integer")
+    params = SamplingParams(  # the door of every other sampling flag
         max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
     )
