@@ -200,6 +200,16 @@ def read_quantization(path: Path) -> dict | None:
     return settings
 
 
+def read_config(path: str | Path, **overrides) -> TransformerConfig:
+    """The config a checkpoint directory (ours or Hugging Face's) loads with, without reading weights:
+    the same rules as read_checkpoint (a HF directory attends with "sdpa" unless overridden)."""
+    raw = read_json(resolve_checkpoint_dir(path) / CONFIG_NAME)
+    if raw.get("model_type") == MODEL_TYPE:
+        raw.pop("model_type", None)
+        return TransformerConfig.from_dict({**raw, **overrides})
+    return config_from_hf(raw, **{"attn_backend": "sdpa", **overrides})
+
+
 def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig, dict | None], torch.nn.Module],
                     **overrides) -> torch.nn.Module:
     """Build a model with `make_model(config, quantization)` and fill it from a directory written by
@@ -208,7 +218,9 @@ def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig, d
     `quantization` is None for a float checkpoint, else the settings of quantization.json: the factory
     swaps in the quantized linears, so the saved tensors fit them (this module never builds a model).
     Ours must pass its manifest; a HF directory (no manifest) may name only files inside itself.
-    `overrides` change config fields (e.g. attn_backend="sdpa")."""
+    `overrides` change config fields (e.g. attn_backend="naive"). Ours keep the attention backend they
+    were saved with; a HF directory attends with the fast exact "sdpa" unless told otherwise (as
+    transformers does), not our config's default "naive", the float64-style teaching reference."""
     path_like("path", path, "a directory path")
     path = resolve_checkpoint_dir(path)
     has_manifest = (path / MANIFEST_NAME).exists()
@@ -232,7 +244,7 @@ def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig, d
         except SafetensorError as err:
             raise CheckpointError(f"{weights} cannot be read ({err})") from None
     else:  # a Hugging Face directory: an unknown architecture raises ValueError here
-        model = make_model(config_from_hf(raw, **overrides), None)
+        model = make_model(config_from_hf(raw, **{"attn_backend": "sdpa", **overrides}), None)
         state = convert_hf_state(read_hf_weights(path), raw, model.config, model.state_dict())
     check_finite(state, path)
     load_state_into(model, state)
