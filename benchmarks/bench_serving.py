@@ -34,6 +34,7 @@ import statistics
 import time
 
 import torch
+from _common import add_common_args, add_serving_args, apply_common_args, time_call, time_interleaved
 from tqdm import tqdm
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
@@ -42,24 +43,16 @@ from mini_transformer.engine import LLMEngine
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--min-len", type=int, default=16, help="shortest prompt and output")
-    p.add_argument("--max-len", type=int, default=256, help="longest prompt and output")
+    add_serving_args(p, max_len=256)
     p.add_argument("--static-batch", type=int, default=8)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=256)
     p.add_argument("--suffix-len", type=int, default=16)
     p.add_argument("--prefix-output", type=int, default=16, help="tokens generated per prefix request")
     p.add_argument("--ways", nargs="+", default=["one-at-a-time", "static", "engine"],
                    choices=["one-at-a-time", "static", "engine"], help="engine is always run")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads for every way (1: on a shared, busy machine more threads only contend)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--plot", metavar="PNG", help="draw the block pool over time to this PNG")
+    add_common_args(p, threads=1, plot="draw the block pool over time to this PNG")  # 1 thread: a busy machine
     p.add_argument("--sampled", action="store_true", help="also: sampled vs greedy engine tokens/s, and a profile")
     p.add_argument("--vocab-size", type=int, help="the model's vocabulary (default: the llama-style preset's 256)")
     p.add_argument("--rounds", type=int, default=2, help="--sampled: greedy/sampled runs, alternating")
@@ -90,12 +83,6 @@ class ForwardCounter:
 
     def _hook(self, *_):
         self.calls += 1
-
-
-def timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start
 
 
 def one_at_a_time(model, prompts, out_lens, device):
@@ -159,17 +146,17 @@ def main_workload(model, args, counter):
     rows, reference = [], None
     if "one-at-a-time" in args.ways:
         counter.calls = 0
-        (reference, waste), seconds = timed(lambda: one_at_a_time(model, prompts, out_lens, args.device))
+        (reference, waste), seconds = time_call(lambda: one_at_a_time(model, prompts, out_lens, args.device))
         rows.append(["one-at-a-time", seconds, counter.calls, waste])
     if "static" in args.ways:
         counter.calls = 0
-        (static_out, waste), seconds = timed(
+        (static_out, waste), seconds = time_call(
             lambda: static_batches(model, prompts, out_lens, args.static_batch, args.device))
         rows.append([f"static batches of {args.static_batch}", seconds, counter.calls, waste])
         reference = reference or static_out
     counter.calls = 0
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in out_lens]
-    (outputs, record, stats), seconds = timed(lambda: run_engine(model, prompts, params, args))
+    (outputs, record, stats), seconds = time_call(lambda: run_engine(model, prompts, params, args))
     in_use = sum(r[3] for r in record)
     rows.append(["engine", seconds, counter.calls, 1 - sum(r[4] for r in record) / in_use if in_use else 0.0])
     base = rows[0][1]
@@ -202,20 +189,19 @@ def sampled_workload(model, args):
     out_lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.requests)]
     ways = {"greedy": [SamplingParams(max_tokens=n, ignore_eos=True) for n in out_lens],
             "sampled": sampled_params(out_lens)}
-    seconds = {name: [] for name in ways}
-    for _ in range(args.rounds):
-        for name, params in ways.items():
-            seconds[name].append(timed(lambda p=params, n=name: run_engine(model, prompts, p, args, desc=n))[1])
+    runs = {name: (lambda p=params, n=name: run_engine(model, prompts, p, args, desc=n))
+            for name, params in ways.items()}
+    timings = time_interleaved(runs, repeats=args.rounds, warmup=0, device=args.device, grad="grad")
     n_tokens = sum(out_lens)
-    greedy = min(seconds["greedy"])
+    greedy = timings["greedy"].median
     print(f"\nsampled workload: {args.requests} requests, {n_tokens} output tokens; sampled = temperature 0.8, "
-          f"top-p 0.95, half with repetition penalty 1.1; {args.rounds} alternating runs each, best shown; "
+          f"top-p 0.95, half with repetition penalty 1.1; {args.rounds} alternating runs each, median shown; "
           f"uptime load {os.getloadavg()[0]:.2f}\n")
-    print("| engine | seconds (each run) | output tok/s (best) | × greedy |")
+    print("| engine | seconds (each run) | output tok/s (median) | × greedy |")
     print("|---|---|---:|---:|")
-    for name, secs in seconds.items():
-        runs = ", ".join(f"{t:.1f}" for t in secs)
-        print(f"| {name} | {runs} | {n_tokens / min(secs):.1f} | {greedy / min(secs):.2f}× |")
+    for name, timing in timings.items():
+        each = ", ".join(f"{t:.1f}" for t in timing.times)
+        print(f"| {name} | {each} | {n_tokens / timing.median:.1f} | {greedy / timing.median:.2f}× |")
     profile_sampled_steps(model, prompts, ways["sampled"], args)
 
 
@@ -397,7 +383,7 @@ def hf_peer_workload(args, n_prompts=48, new_tokens=64, runs=2):
 
 def main(argv=None):
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    apply_common_args(args)
     if args.hf_peer:
         with torch.inference_mode():
             hf_peer_workload(args)

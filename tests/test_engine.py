@@ -281,7 +281,7 @@ def test_engine_on_cuda_equals_generate(backend):
     paged attention (gathered for sdpa, the Triton kernel for triton) and sampling all on the device."""
     if backend == "triton":
         pytest.importorskip("triton")
-        from mini_transformer.attention.triton_paged import _kernels_are_interpreted
+        from mini_transformer.attention.triton_flash import _kernels_are_interpreted
 
         if _kernels_are_interpreted():
             pytest.skip("TRITON_INTERPRET=1: the kernels would not run on the GPU")

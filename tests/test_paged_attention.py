@@ -221,7 +221,8 @@ def test_triton_paged_kernel_compiles_for_a_gpu(tmp_path):
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
 def test_triton_kernel_on_cuda_equals_contiguous(dtype, tolerance):
     pytest.importorskip("triton")
-    from mini_transformer.attention.triton_paged import _kernels_are_interpreted, triton_paged_attention
+    from mini_transformer.attention.triton_flash import _kernels_are_interpreted
+    from mini_transformer.attention.triton_paged import triton_paged_attention
 
     if _kernels_are_interpreted():
         pytest.skip("TRITON_INTERPRET=1: the kernel would not run on the GPU")

@@ -347,10 +347,10 @@ def failing_once(real, when=lambda: True):
     return wrapper
 
 
-@pytest.mark.parametrize("where", ["engine.add_request", "_publish_state"])
+@pytest.mark.parametrize("where", ["engine.add_checked_request", "_publish_state"])
 def test_an_error_in_a_loop_turn_fails_the_request_with_500_and_the_loop_goes_on(served, monkeypatch, where):
     loop = served.ctx.engine_loop
-    owner, name = (loop.engine, "add_request") if where.startswith("engine.") else (loop, where)
+    owner, name = (loop.engine, "add_checked_request") if where.startswith("engine.") else (loop, where)
     # _publish_state also runs while idle: fail it only once a request is in flight
     monkeypatch.setattr(owner, name, failing_once(getattr(owner, name), when=lambda: bool(loop._active)
                                                   or owner is loop.engine))

@@ -14,18 +14,16 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from ._checks import integer, token_ids
+
 CHAR_VOCAB_FILE = "vocab.json"
 BPE_FILE = "tokenizer.json"
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"  # a Hugging Face directory names its EOS token here
 
 
 def _checked_ids(ids, vocab_size: int) -> list[int]:
-    """ids as Python ints, every one in [0, vocab_size) (ValueError naming the first few that are not)."""
-    ids = [int(i) for i in ids]
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
-        raise ValueError(f"ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
-    return ids
+    """ids as Python ints, every one in [0, vocab_size) (ValueError naming the first that is not)."""
+    return token_ids("ids", [int(i) for i in ids], vocab_size, empty=True)
 
 
 class CharTokenizer:
@@ -103,10 +101,7 @@ class BPETokenizer:
     def train(cls, text: str, vocab_size: int) -> BPETokenizer:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
-            raise TypeError(f"vocab_size={vocab_size!r} must be an int")
-        if vocab_size < 257:
-            raise ValueError(f"vocab_size={vocab_size} must be at least 257 (256 bytes + 1 special token)")
+        integer("vocab_size", vocab_size, low=257, expected="at least 257 (256 bytes + 1 special token)")
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()

@@ -19,10 +19,10 @@ import math
 
 import torch
 
-# triton (or None without it), the jit that degrades to a no-op, the masked-score constant and the
-# interpreter check are triton_flash's: one import of triton for both kernels
+# triton (or None without it), the jit that degrades to a no-op and the masked-score constant are
+# triton_flash's: one import of triton for both kernels
 from .paged import PagedAttentionMetadata
-from .triton_flash import MASKED, _jit, _kernels_are_interpreted, tl, triton
+from .triton_flash import MASKED, _jit, tl, triton
 
 __all__ = ["triton_paged_attention"]
 
@@ -68,15 +68,9 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            meta: PagedAttentionMetadata, scale: float | None = None) -> torch.Tensor:
     """q (N, H, D) packed new tokens; k_cache, v_cache (num_slots, Hkv, D) one layer's pool, the new
     tokens' K/V already written; meta: the step's fields (paged.py). Returns (N, H, D). The block size
-    must be a power of two."""
+    must be a power of two. Runs in every layer of every step, so it trusts its arguments: LLMEngine checked
+    the block size, triton and the device once (`triton_flash.check_triton`)."""
     block_size = meta.block_size
-    if triton is None:
-        raise ImportError("triton_paged_attention needs the `triton` package; use paged_attention instead")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size={block_size} must be a power of two for the Triton kernel")
-    if q.device.type != "cuda" and not _kernels_are_interpreted():
-        raise ValueError(f"q is on device {q.device.type!r}: the Triton kernel runs on CUDA, or on CPU only "
-                         "when TRITON_INTERPRET=1 was set before triton was first imported")
     q = q.contiguous()
     N, H, D = q.shape
     assert k_cache.stride(2) == 1 and k_cache.stride() == v_cache.stride()

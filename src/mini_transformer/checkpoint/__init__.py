@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .._checks import path_like
 from ..config import TransformerConfig
 from .hf import config_from_hf, convert_hf_state, read_hf_weights
 
@@ -234,8 +234,7 @@ def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig, d
     `overrides` change config fields (e.g. attn_backend="naive"). Ours keep the attention backend they
     were saved with; a HF directory attends with the fast exact "sdpa" unless told otherwise (as
     transformers does), not our config's default "naive", the float64-style teaching reference."""
-    if not isinstance(path, str | os.PathLike):
-        raise TypeError(f"path={path!r} must be a directory path (str or os.PathLike)")
+    path_like("path", path, "a directory path")
     path = resolve_checkpoint_dir(path)
     has_manifest = (path / MANIFEST_NAME).exists()
     if has_manifest:

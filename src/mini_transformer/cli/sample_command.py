@@ -69,9 +69,9 @@ def _run_sample(args) -> None:
     from ..training.runtime import resolve_device
 
     prompts = _read_prompts(args)
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens < 1:  # the one flag whose name is not its SamplingParams field's (max_tokens)
         raise ValueError(f"--max-new-tokens: max_new_tokens={args.max_new_tokens} must be a positive integer")
-    params = SamplingParams(
+    params = SamplingParams(  # the door of every other sampling flag
         max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
     )
@@ -97,6 +97,9 @@ def _run_sample(args) -> None:
     if not prompt_ids:
         raise ValueError("--prompt is empty; give at least one character of text to continue")
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, T)
+    if args.compile:  # inductor imports cpp_extension at the first compiled step, which on a machine without
+        # CUDA logs "No CUDA runtime is found" to stderr; imported now, that line comes before the text, not inside it
+        import torch.utils.cpp_extension  # noqa: F401
     stream = _TextStream(tokenizer, out, prompts[0])
     # past max_seq_len generate_long slides the context window (re-prefilling its second half)
     draft = "prompt_lookup" if args.prompt_lookup else None

@@ -13,12 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-def _positive_int(name: str, value, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer{' or None' if optional else ''}")
+from .._checks import boolean, positive_int
 
 
 @dataclass(frozen=True)
@@ -33,11 +28,11 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            _positive_int(name, getattr(self, name))
-        _positive_int("num_blocks", self.num_blocks, optional=True)
-        _positive_int("kv_cache_bytes", self.kv_cache_bytes, optional=True)
+            positive_int(name, getattr(self, name))
+        for name in ("num_blocks", "kv_cache_bytes"):  # None: the engine sizes the pool
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
         for name in ("enable_prefix_caching", "enforce_eager"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
+            boolean(name, getattr(self, name))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._checks import token_id
 from ..inference.sampling import SamplingParams
 from .block_manager import blocks_for
 from .sequence import Sequence
@@ -87,8 +88,7 @@ def check_handoff(engine, handoff: KVHandoff, params: SamplingParams) -> tuple[l
         raise ValueError(f"kv_handoff.kv is {got}; this engine expects a tensor of shape {shape} and dtype "
                          f"{runner.dtype}")
     first = handoff.first_token
-    if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < cfg.vocab_size:
-        raise ValueError(f"kv_handoff.first_token={first!r} must be a token id in [0, {cfg.vocab_size})")
+    token_id("kv_handoff.first_token", first, cfg.vocab_size)
     if first in stops or params.max_tokens == 1:
         raise ValueError(f"kv_handoff.first_token={first} already ends the request (a stop token, or "
                          "max_tokens=1)")

@@ -24,6 +24,7 @@ from collections.abc import Sequence as Seq
 import torch
 from tqdm import tqdm
 
+from .._checks import instance, positive_int, power_of_two, token_id, token_ids
 from ..inference.sampling import SamplingParams
 from ..model.transformer import TransformerLM
 from . import handoff
@@ -64,20 +65,19 @@ class LLMEngine:
         mode (the engine only runs inference) and is used as it is: its device and dtype are the pool's.
         `kv_connector` (engine/kv_connector.py) keeps full blocks in tiers behind the pool (host memory,
         Redis) and loads them back for any engine serving the same weights."""
-        if not isinstance(model, TransformerLM):
-            raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
+        instance("model", model, TransformerLM)
         if config is not None and options:
             raise ValueError(f"give config or its fields as keywords, not both (got {sorted(options)})")
-        if config is not None and not isinstance(config, EngineConfig):
-            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
-        config = EngineConfig(**options) if config is None else config
+        if config is not None:
+            instance("config", config, EngineConfig)
+        config = EngineConfig(**options) if config is None else config  # EngineConfig checks its fields
         cfg = model.config
         block_size = config.block_size
-        if cfg.attn_backend == "triton" and block_size & (block_size - 1):
-            raise ValueError(f"block_size={block_size}: the triton backend's paged kernel needs a power of two")
-        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)
-                                         or not 0 <= eos_token_id < cfg.vocab_size):
-            raise ValueError(f"eos_token_id={eos_token_id!r} must be None or a token id in [0, {cfg.vocab_size})")
+        if cfg.attn_backend == "triton":  # the triton backend's paged kernel needs a power of two
+            power_of_two("block_size", block_size)
+        if eos_token_id is not None:
+            token_id("eos_token_id", eos_token_id, cfg.vocab_size)
+        model.check_backend(training=False)  # the engine runs in eval mode; the paged kernel trusts this
         weight = model.tok_emb.weight
         block_bytes = bytes_per_block(cfg, block_size, weight.dtype)
         num_blocks = config.num_blocks
@@ -89,8 +89,8 @@ class LLMEngine:
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} is smaller than one block "
                                  f"({block_bytes} bytes at block_size={block_size})")
-        if kv_connector is not None and not isinstance(kv_connector, KVConnector):
-            raise TypeError(f"kv_connector must be a KVConnector, got {type(kv_connector).__name__}")
+        if kv_connector is not None:
+            instance("kv_connector", kv_connector, KVConnector)
 
         self.model = model.eval()
         self.config, self.engine_config = cfg, config
@@ -114,8 +114,13 @@ class LLMEngine:
         A request that could never run raises ValueError (an InvalidRequest) here, and nothing else is
         disturbed."""
         params = SamplingParams() if params is None else params
-        prompt, stops = self.check_request(prompt_token_ids, params)
-        seq = self._new_sequence(prompt, params, stops, request_id)
+        prompt, _ = self.check_request(prompt_token_ids, params)
+        return self.add_checked_request(prompt, params, request_id)
+
+    def add_checked_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """add_request behind a door that already ran `check_request(prompt, params)` and got `prompt`
+        back (a server's HTTP thread does, then hands the request to the engine thread): no check again."""
+        seq = self._new_sequence(prompt, params, params.stops(self.eos_token_id), request_id)
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -135,8 +140,7 @@ class LLMEngine:
         InvalidRequest naming the argument at fault. It reads only what __init__ fixed, so a server's
         HTTP thread may call it to refuse a request before it reaches the engine thread."""
         cfg = self.config
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        instance("params", params, SamplingParams)
         prompt = self._prompt_list(prompt_token_ids)
         total = len(prompt) + params.max_tokens
         if total > cfg.max_seq_len:
@@ -149,36 +153,23 @@ class LLMEngine:
             raise InvalidRequest("max_tokens", f"this request needs up to {needed} KV blocks of {self.block_size} "
                                                f"tokens but the pool has only num_blocks={self.num_blocks}; "
                                                "shorten it or give the engine more blocks")
-        stops = params.stops(self.eos_token_id)
-        if any(t >= cfg.vocab_size for t in stops):
-            raise InvalidRequest("stop_token_ids", f"stop_token_ids={params.stop_token_ids} must be token ids in "
-                                                   f"[0, {cfg.vocab_size})")
+        try:
+            token_ids("stop_token_ids", params.stop_token_ids, cfg.vocab_size, empty=True)
+        except ValueError as err:
+            raise InvalidRequest("stop_token_ids", str(err)) from None
         if params.logit_bias and params.logit_bias[-1][0] >= cfg.vocab_size:  # sorted by token id
             raise InvalidRequest("logit_bias", f"logit_bias names token {params.logit_bias[-1][0]}; token ids are "
                                                f"in [0, {cfg.vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > cfg.vocab_size:
                 raise InvalidRequest(name, f"{name}={getattr(params, name)} exceeds the vocabulary ({cfg.vocab_size})")
-        return prompt, stops
+        return prompt, params.stops(self.eos_token_id)
 
     def _prompt_list(self, prompt_token_ids) -> list[int]:
-        if isinstance(prompt_token_ids, torch.Tensor):
-            if prompt_token_ids.dim() != 1 or prompt_token_ids.is_floating_point():
-                shape, dtype = tuple(prompt_token_ids.shape), prompt_token_ids.dtype
-                raise InvalidRequest("prompt_token_ids", f"prompt_token_ids must be a 1-D integer tensor, got "
-                                                         f"shape {shape} of dtype {dtype}")
-            prompt_token_ids = prompt_token_ids.tolist()
-        if not isinstance(prompt_token_ids, list | tuple):
-            raise TypeError(f"prompt_token_ids must be a list of token ids, got {type(prompt_token_ids).__name__}")
-        if not prompt_token_ids:
-            raise InvalidRequest("prompt_token_ids",
-                                 "prompt_token_ids is empty; a request needs at least one prompt token")
-        vocab = self.config.vocab_size
-        for token in prompt_token_ids:
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                raise InvalidRequest("prompt_token_ids", f"prompt_token_ids contains {token!r}, expected token ids "
-                                                         f"in [0, vocab_size={vocab})")
-        return list(prompt_token_ids)
+        try:
+            return token_ids("prompt_token_ids", prompt_token_ids, self.config.vocab_size)
+        except ValueError as err:  # a TypeError (not a list at all) is the caller's bug, not a request to refuse
+            raise InvalidRequest("prompt_token_ids", str(err)) from None
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. False if it is unknown or already finished."""
@@ -201,8 +192,7 @@ class LLMEngine:
         """An empty (2, n_layer, num_tokens, Hkv, D) CPU tensor of the pool's dtype: where a receiver
         puts the K/V of a handoff before adopt_prefilled."""
         cfg = self.config
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-            raise ValueError(f"num_tokens={num_tokens!r} must be a positive integer")
+        positive_int("num_tokens", num_tokens)
         return torch.empty(2, cfg.n_layer, num_tokens, cfg.n_kv_heads, cfg.d_head, dtype=self.runner.dtype)
 
     def adopt_prefilled(self, kv_handoff: KVHandoff, params: SamplingParams | None = None,

@@ -5,13 +5,14 @@ from an inbox, runs `engine.step()`, and hands each request's new token ids to t
 queue (`loop.call_soon_threadsafe`). While nothing is in flight it sleeps on the inbox. Requests from
 all clients meet in the same engine steps: that is continuous batching seen from the server.
 
-    HTTP handler --submit()--> inbox --thread--> engine.add_request / step / abort
+    HTTP handler --submit()--> inbox --thread--> engine.add_checked_request / step / abort
     HTTP handler <--asyncio.Queue-- Accepted | StepOutput | Failed <--thread--
 
-Door checks happen in the HTTP layer before `submit`; what is left to fail here is what only the engine
-knows (it raises on add_request: the handler answers 400) or an engine crash, or any other error in a
-loop turn (every request in flight and in the inbox fails with 500 and the loop goes on). Should the
-thread end anyway, `alive` turns False: /health answers 503 and waiting requests notice it.
+Door checks happen in the HTTP layer before `submit` (the engine's own `check_request`), so the thread
+adds each request with `add_checked_request` and does not check it again. What is left to fail here is
+an engine crash, or any other error in a loop turn (every request in flight and in the inbox fails with
+500 and the loop goes on). Should the thread end anyway, `alive` turns False: /health answers 503 and
+waiting requests notice it.
 """
 
 from __future__ import annotations
@@ -203,11 +204,8 @@ class EngineLoop:
 
     def _handle(self, kind: str, handle: RequestHandle | None) -> None:
         if kind == "add" and not handle.cancelled:
-            try:
-                handle.engine_id = self.engine.add_request(handle.prompt_ids, handle.params)
-            except (ValueError, TypeError) as err:
-                handle.push(Failed(ErrorResponse(400, str(err))))
-                return
+            # checked by the HTTP handler (engine.check_request, app.py): not checked a second time here
+            handle.engine_id = self.engine.add_checked_request(handle.prompt_ids, handle.params)
             self._active[handle.engine_id] = handle
             self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
             handle.push(Accepted())

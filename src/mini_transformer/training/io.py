@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .._checks import path_like
 from ..checkpoint import (
     CHECKPOINT_NAMES,
     CONFIG_NAME,
@@ -99,8 +100,7 @@ def find_checkpoint(path: str | Path) -> Path:
 
     If a kill fell between the two renames of `save_checkpoint`, the previous checkpoint is still
     there under its `.old` name and is used."""
-    if not isinstance(path, str | os.PathLike):
-        raise TypeError(f"resume={path!r} must be a run or checkpoint directory path (str or os.PathLike)")
+    path_like("resume", path, "a run or checkpoint directory path")
     # last, then best; silent, because a damaged checkpoint's error must stay the one line on stderr
     candidate = resolve_checkpoint_dir(path, run_checkpoints=CHECKPOINT_NAMES[::-1], say=False)
     if any((candidate / name).is_file() for name in (TRAIN_STATE_FILE, MANIFEST_NAME, WEIGHTS_NAME)):

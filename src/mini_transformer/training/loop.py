@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from .._checks import instance
 from ..config import TransformerConfig
 from ..model.transformer import TransformerLM
 from ..tokenizer import build_tokenizer, check_vocab_size, load_tokenizer
@@ -130,8 +131,7 @@ def _prepare(cfg: TrainConfig, model_cfg: TransformerConfig | None, ckpt: Path |
         return text, tokenizer, model, state
     if model_cfg is None:
         model_cfg = TransformerConfig.from_preset("shakespeare-char")
-    if not isinstance(model_cfg, TransformerConfig):
-        raise TypeError(f"model_cfg must be a TransformerConfig, got {type(model_cfg).__name__}")
+    instance("model_cfg", model_cfg, TransformerConfig)
     text, data_name = load_text(cfg.data)
     tokenizer = build_tokenizer(cfg.tokenizer, text, cfg.bpe_vocab_size if cfg.tokenizer == "bpe" else None)
     model = TransformerLM(model_cfg.replace(vocab_size=tokenizer.vocab_size))
@@ -143,8 +143,7 @@ def train(cfg: TrainConfig, model_cfg: TransformerConfig | dict | None = None, *
     """Train a model and return it with its loss history. `model_cfg` is a TransformerConfig for a new
     run (vocab_size is taken from the tokenizer) or, with `resume`, a dict of config overrides.
     A new run refuses an out_dir that already holds one unless `overwrite=True`."""
-    if not isinstance(cfg, TrainConfig):
-        raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
+    instance("cfg", cfg, TrainConfig)
     if cfg.fsdp and (int(os.environ.get("WORLD_SIZE", "1")) < 2 or cfg.compile):
         raise ValueError("fsdp=True needs torchrun with at least 2 processes (WORLD_SIZE >= 2) and no compile")
     rank, world_size, device = setup_distributed(cfg)
@@ -265,6 +264,7 @@ def _start(cfg: TrainConfig, model_cfg, ckpt: Path | None, rank: int, world_size
     ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
     train_data, val_data = split_tokens(ids, block_size)
     model.to(device)
+    model.check_backend(training=True)  # once: the training steps call the model with check=False
     if cfg.fsdp:  # before the optimizer, which must see (and keep state for) the shards only
         from ..parallel.fsdp import shard_for_training
 
