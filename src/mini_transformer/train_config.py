@@ -10,7 +10,8 @@ from .config import DictIO, _check_choice, _check_positive_int
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]  # auto: bf16/fp16 autocast on CUDA, fp32 elsewhere
 TokenizerKind = Literal["char", "bpe"]
-PRECISIONS, TOKENIZERS = get_args(Precision), get_args(TokenizerKind)
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]  # torch.distributed.pipelining's schedules
+PRECISIONS, TOKENIZERS, PIPELINE_SCHEDULES = get_args(Precision), get_args(TokenizerKind), get_args(PipelineSchedule)
 
 
 @dataclass
@@ -47,12 +48,16 @@ class TrainConfig(DictIO):
     sample_tokens: int = 300
     progress: bool = True
     fsdp: bool = False  # under torchrun: FSDP2 shards weights, grads and AdamW state (parallel/fsdp.py), not DDP
+    pipeline_parallel: int = 1  # under torchrun with this many ranks: the layers split into stages (parallel/pp.py)
+    microbatches: int = 1  # pipeline: the batch of batch_size sequences is cut into this many
+    schedule: PipelineSchedule = "1f1b"  # pipeline: the order of the microbatches' forwards and backwards
 
     def __post_init__(self) -> None:
         _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
         _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("schedule", self.schedule, PIPELINE_SCHEDULES)
         for name in ("bpe_vocab_size", "batch_size", "grad_accum_steps", "max_steps", "eval_interval",
-                     "eval_batches", "sample_tokens"):
+                     "eval_batches", "sample_tokens", "pipeline_parallel", "microbatches"):
             _check_positive_int(name, getattr(self, name))
         for name in ("block_size", "lr_decay_steps"):
             if getattr(self, name) is not None:
@@ -84,6 +89,21 @@ class TrainConfig(DictIO):
         for name in ("device", "out_dir"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a string")
+
+        if self.pipeline_parallel > 1:
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """What pipeline parallelism cannot be combined with (the model-dependent checks are parallel/pp.py's)."""
+        clash = {"fsdp": self.fsdp, "compile": self.compile, "grad_accum_steps > 1": self.grad_accum_steps > 1,
+                 f"precision={self.precision}": self.precision not in ("auto", "fp32")}
+        for name, given in clash.items():
+            if given:
+                raise ValueError(f"pipeline_parallel={self.pipeline_parallel} does not go with {name}: the pipeline "
+                                 f"trains in fp32, and its microbatches already are the gradient accumulation")
+        if self.batch_size % self.microbatches:
+            raise ValueError(f"batch_size={self.batch_size} must be divisible by microbatches={self.microbatches} "
+                             f"(equal microbatches: the mean of their losses is the batch's loss)")
 
     @property
     def decay_steps(self) -> int:
