@@ -40,9 +40,9 @@ from decode_roofline import kv_bytes_per_slot, measure_bandwidth, plot_roofline,
 from tqdm import tqdm
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
-from mini_transformer.quantize import quantize
-from mini_transformer.speculative import SpeculativeStats, speculative_generate
-from mini_transformer.static_cache import static_length
+from mini_transformer.inference.speculative import SpeculativeStats, speculative_generate
+from mini_transformer.inference.static_cache import static_length
+from mini_transformer.model.quantize import quantize
 
 SPEED_METHODS = ("hf", "hf-static", "eager", "compiled", "int8", "int4")
 COMPILED_METHODS = ("hf-static", "compiled", "int8", "int4")  # warmed up at the timed length: one static graph
@@ -210,9 +210,9 @@ TRAINED_LAYOUT = dict(d_model=384, n_heads=6, ffn="gelu_tanh", bias=True, tie_we
 
 def trained_models(args):
     """(target, draft, held-out ids): trained here (batch 8 of --context tokens) or loaded from --trained."""
-    from mini_transformer.data import load_text, split_tokens
     from mini_transformer.tokenizer import load_tokenizer
-    from mini_transformer.train import TrainConfig, train
+    from mini_transformer.training import TrainConfig, train
+    from mini_transformer.training.data import load_text, split_tokens
 
     root = Path(args.trained) if args.trained else Path(tempfile.mkdtemp(prefix="bench-decode-"))
     models = {}

@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 
 from mini_transformer import TransformerConfig
-from mini_transformer.info import active_parameters, count_parameters
-from mini_transformer.moe import MoE, moe_per_token_reference, tokens_per_expert
-from mini_transformer.train import TrainConfig, train
+from mini_transformer.cli.info import active_parameters, count_parameters
+from mini_transformer.model.moe import MoE, moe_per_token_reference, tokens_per_expert
+from mini_transformer.training import TrainConfig, train
 
 DENSE_FF, N_EXPERTS, TOP_K = 384, 8, 2
 DECODE_TOKENS = (1, 4)  # N*k <= N_EXPERTS: the gathered path
@@ -149,7 +149,7 @@ def timed(fn, reps: int) -> float:
 @contextlib.contextmanager
 def loop_over_experts():
     """The MoE layer with grouped_matmul swapped for its loop over experts (what it runs on CUDA)."""
-    import mini_transformer.moe as moe_module
+    import mini_transformer.model.moe as moe_module
 
     original = moe_module.grouped_matmul
     moe_module.grouped_matmul = moe_module.grouped_matmul_loop
@@ -161,7 +161,7 @@ def loop_over_experts():
 
 def decode(args, vocab_size: int) -> list:
     """Dispatch alone (routed once beforehand), forward only, at decode shapes: (tokens, path, ms) rows."""
-    from mini_transformer.moe import small_enough_to_gather
+    from mini_transformer.model.moe import small_enough_to_gather
 
     torch.manual_seed(args.seed)
     moe = MoE(model_config("moe", vocab_size)).eval()
@@ -179,8 +179,8 @@ def decode(args, vocab_size: int) -> list:
 
 
 def decode_times(moe: MoE, n_tokens: int, reps: int) -> list[tuple[str, float]]:
-    from mini_transformer.moe import dispatch as sorted_dispatch
-    from mini_transformer.moe import dispatch_gathered, route
+    from mini_transformer.model.moe import dispatch as sorted_dispatch
+    from mini_transformer.model.moe import dispatch_gathered, route
 
     x = torch.randn(n_tokens, moe.router.in_features)
     weights, experts = route(moe.router(x), moe.top_k, moe.renormalize)
@@ -200,7 +200,7 @@ def decode_times(moe: MoE, n_tokens: int, reps: int) -> list[tuple[str, float]]:
 def dispatch(args, vocab_size: int) -> list:
     from tqdm import tqdm
 
-    from mini_transformer.layers import SwiGLU
+    from mini_transformer.model.layers import SwiGLU
 
     torch.manual_seed(args.seed)
     moe_cfg = model_config("moe", vocab_size)
@@ -272,8 +272,8 @@ def main() -> None:
     parser.add_argument("--plot", metavar="PNG", help="write loss curves, expert balance and dispatch times here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from mini_transformer.data import load_text
     from mini_transformer.tokenizer import CharTokenizer
+    from mini_transformer.training.data import load_text
 
     vocab_size = CharTokenizer.train(load_text(args.data)[0]).vocab_size
     print(f"torch {torch.__version__}, {args.threads} threads, vocab {vocab_size}")

@@ -41,7 +41,8 @@ from bench_attention import _peak_rss_bytes, _reset_peak_rss, _rss_bytes  # a si
 from mini_transformer import TransformerConfig, TransformerLM, generate
 from mini_transformer.parallel import run_processes, shard_expert_parallel, shard_tensor_parallel
 from mini_transformer.parallel.fsdp import local_bytes, shard_for_training, training_memory
-from mini_transformer.train import TrainConfig, make_optimizer
+from mini_transformer.training.config import TrainConfig
+from mini_transformer.training.loop import make_optimizer
 
 MB = 2**20
 

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from mini_transformer import TransformerConfig, TransformerLM
-from mini_transformer.data import get_batch, load_text, split_tokens
 from mini_transformer.tokenizer import CharTokenizer
-from mini_transformer.train import TrainConfig, train
+from mini_transformer.training import TrainConfig, train
+from mini_transformer.training.data import get_batch, load_text, split_tokens
 
 # each model: (val loss target or None, plot colour)
 MODELS = {"gpt2": (1.88, "tab:blue"), "gpt2-init002": (None, "tab:grey"), "modern": (1.80, "tab:orange")}

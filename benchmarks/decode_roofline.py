@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 from mini_transformer import TransformerConfig
-from mini_transformer.layers import RMSNorm
-from mini_transformer.quantize import Int4Linear, Int8Linear
+from mini_transformer.model.layers import RMSNorm
+from mini_transformer.model.quantize import Int4Linear, Int8Linear
 
 
 def synchronize(device: str) -> None:

@@ -74,7 +74,7 @@ def train_run(out_dir: Path, steps: int, data: str, backend: str) -> dict:
     """nanoGPT's GPU shakespeare-char model size (6 x 384, block 256, batch 64) with bf16 autocast and
     torch.compile; the step times after the first 10 steps (compilation) give tokens/s."""
     from mini_transformer import TransformerConfig
-    from mini_transformer.train import TrainConfig, train
+    from mini_transformer.training import TrainConfig, train
 
     model_cfg = TransformerConfig.from_preset("shakespeare-char", d_model=384, n_heads=6, n_layer=6,
                                               max_seq_len=256, attn_backend=backend)

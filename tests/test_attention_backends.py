@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from mini_transformer import TransformerConfig, TransformerLM
 from mini_transformer.attention import attention
 from mini_transformer.attention.tiled import key_block_ranges, tiled_attention, tiled_attention_forward
-from mini_transformer.kv_cache import KVCache
+from mini_transformer.inference.kv_cache import KVCache
 
 BACKENDS = ["sdpa", "tiled", "triton"]
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 4e-2}

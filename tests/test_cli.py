@@ -3,9 +3,9 @@
 import pytest
 
 from mini_transformer.cli import main, parse_overrides
+from mini_transformer.cli.info import count_parameters, kv_bytes_per_token
+from mini_transformer.cli.trace import trace
 from mini_transformer.config import TransformerConfig
-from mini_transformer.info import count_parameters, kv_bytes_per_token
-from mini_transformer.trace import trace
 
 
 def test_info_gpt2_small(capsys):
@@ -50,7 +50,7 @@ def test_trace_gqa_shows_fewer_kv_heads(capsys):
 
 def test_trace_leaves_no_hooks_behind():
     from mini_transformer import TransformerLM
-    from mini_transformer.trace import ShapeRecorder
+    from mini_transformer.cli.trace import ShapeRecorder
 
     model = TransformerLM(TransformerConfig.from_preset("tiny"))
     recorder = ShapeRecorder(model)
@@ -132,7 +132,7 @@ def test_a_device_that_is_not_there_is_named(tmp_path, capsys, command, device, 
 
 def test_moe_active_parameters_match_mixtral_and_qwen3_moe_published_counts():
     """Mixtral-8x7B: 46.7B parameters, 12.9B active; Qwen3-30B-A3B: 30.5B, 3.3B active (their model cards)."""
-    from mini_transformer.info import active_parameters
+    from mini_transformer.cli.info import active_parameters
 
     mixtral = TransformerConfig.from_preset("moe-tiny", vocab_size=32000, d_model=4096, n_heads=32, n_kv_heads=8,
                                             n_layer=32, d_ff=14336, n_experts=8, n_experts_per_tok=2)

@@ -8,7 +8,7 @@ from support import TEXT, save_char_checkpoint
 
 from mini_transformer import generate
 from mini_transformer.cli import _TextStream, main
-from mini_transformer.generate import generate_long
+from mini_transformer.inference.generate import generate_long
 from mini_transformer.tokenizer import BPETokenizer
 
 

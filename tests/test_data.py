@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mini_transformer import data
-from mini_transformer.data import DatasetUnavailable, get_batch, load_text, split_tokens
+from mini_transformer.training import data
+from mini_transformer.training.data import DatasetUnavailable, get_batch, load_text, split_tokens
 
 FAKE = "To be, or not to be, that is the question.\n" * 50
 FAKE_SHA = hashlib.sha256(FAKE.encode()).hexdigest()

@@ -291,7 +291,7 @@ def test_moe_model_through_the_engine(monkeypatch):
     requests are routed one by one, so every request still equals generate() alone. The layer chooses its
     dispatch as on CUDA (no grouped kernel): the sorted loop over experts for packed steps, the gathered
     path for steps of at most 2 tokens (N*k <= E); both must run."""
-    from mini_transformer import moe as moe_module
+    from mini_transformer.model import moe as moe_module
 
     monkeypatch.setattr(moe_module, "_grouped_mm_fits", lambda x, weight: False)
     paths = {"dispatch": 0, "dispatch_gathered": 0}

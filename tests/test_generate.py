@@ -206,7 +206,7 @@ def test_repetition_penalty_matches_hugging_face_generate(hf_pair):
 
 
 def test_generate_long_slides_the_window_past_the_context():
-    from mini_transformer.generate import generate_long
+    from mini_transformer.inference.generate import generate_long
 
     model = TransformerLM(TransformerConfig.from_preset("tiny", max_seq_len=16)).eval()
     idx = torch.randint(0, 100, (2, 5))
@@ -220,7 +220,7 @@ def test_generate_long_slides_the_window_past_the_context():
 
 
 def test_generate_long_rejects_bad_arguments():
-    from mini_transformer.generate import generate_long
+    from mini_transformer.inference.generate import generate_long
 
     model = TransformerLM(TransformerConfig.from_preset("tiny", max_seq_len=16)).eval()
     idx = torch.randint(0, 100, (1, 5))
@@ -237,9 +237,9 @@ def test_generate_long_rejects_bad_arguments():
                                                                      repetition_penalty=1.2)])
 def test_decode_steps_never_wait_for_the_gpu(params):
     """The decode loop's pieces (sample, one cached step) never read a device value back to the host."""
-    from mini_transformer.generate import decode_step, prefill
-    from mini_transformer.kv_cache import KVCache
-    from mini_transformer.sampling import sample_next
+    from mini_transformer.inference.generate import decode_step, prefill
+    from mini_transformer.inference.kv_cache import KVCache
+    from mini_transformer.inference.sampling import sample_next
 
     model = small_model().cuda()
     idx = torch.randint(0, VOCAB, (2, 5), device="cuda")
@@ -259,7 +259,7 @@ def test_decode_steps_never_wait_for_the_gpu(params):
 def test_generate_long_keeps_a_stopped_row_stopped_in_later_chunks():
     """Row 0 stops in the first chunk, row 1 runs on through three more: row 0 must repeat its stop token
     to the end instead of generating again after the window slides."""
-    from mini_transformer.generate import generate_long
+    from mini_transformer.inference.generate import generate_long
 
     torch.manual_seed(1)
     model = TransformerLM(TransformerConfig.from_preset("tiny", max_seq_len=16, vocab_size=20)).eval()

@@ -9,9 +9,8 @@ import torch
 from support import HF_VOCAB, edit_files, left_padded_batch, max_logit_diff, perturbed
 
 from mini_transformer import TransformerLM, generate
-from mini_transformer.hf_families import FAMILIES
-from mini_transformer.hf_import import ARCHITECTURES
-from mini_transformer.moe import MoE, load_balancing_loss
+from mini_transformer.checkpoint.families import ARCHITECTURES, FAMILIES
+from mini_transformer.model.moe import MoE, load_balancing_loss
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -53,10 +52,10 @@ def imported(case, path, backend="naive"):
 
 
 def test_every_family_has_one_row_and_a_case_here():
-    """hf_import maps architectures to family names, hf_families holds a row per family: they agree, and
-    every row is checked against Hugging Face by a case of CASES."""
-    families = set(ARCHITECTURES.values()) - {"gpt2", "llama"}
-    assert families == set(FAMILIES)
+    """One registry: every architecture names a row of FAMILIES, and every Llama-derived row is checked
+    against Hugging Face by a case of CASES (GPT-2 and Llama by test_checkpoint.py)."""
+    assert set(ARCHITECTURES.values()) == set(FAMILIES)
+    families = set(FAMILIES) - {"gpt2", "llama"}
     assert {ARCHITECTURES[f"{kind}ForCausalLM"] for kind, _, _ in CASES.values()} == families
 
 
@@ -172,8 +171,8 @@ def write_and_edit(path, case, *, config=None, state=None):
 
 def test_a_family_config_without_its_sizes_takes_the_family_defaults():
     """A config.json missing max_position_embeddings / intermediate_size: 32k context and Mistral's d_ff
-    (Llama's own defaults, 2048 and 11008, are hf_import's)."""
-    from mini_transformer.hf_families import family_config
+    (Llama's own defaults, 2048 and 11008, are rules.py's)."""
+    from mini_transformer.checkpoint.families import family_config
 
     cfg = family_config({"architectures": ["MistralForCausalLM"]}, "mistral")
     assert (cfg.max_seq_len, cfg.d_ff) == (32768, 14336)

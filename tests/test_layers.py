@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from mini_transformer import TransformerConfig, TransformerLM
 from mini_transformer.attention import attention, causal_mask
 from mini_transformer.config import llama_ffn_size
-from mini_transformer.kv_cache import NoCache
-from mini_transformer.layers import MLP, RMSNorm, SwiGLU, make_ffn, make_norm
+from mini_transformer.model.cache import NoCache
+from mini_transformer.model.layers import MLP, RMSNorm, SwiGLU
+from mini_transformer.model.transformer import make_ffn, make_norm
 
 C = 16
 

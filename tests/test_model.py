@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mini_transformer import TransformerConfig, TransformerLM
-from mini_transformer.kv_cache import NoCache
+from mini_transformer.model.cache import NoCache
 
 BACKENDS = ["naive", "sdpa"]
 VARIANTS = [

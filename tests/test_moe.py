@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mini_transformer import TransformerConfig, TransformerLM, generate
-from mini_transformer.kv_cache import KVCache
-from mini_transformer.moe import (
+from mini_transformer.inference.kv_cache import KVCache
+from mini_transformer.model.moe import (
     MoE,
     _grouped_mm_fits,
     dispatch,

@@ -11,11 +11,11 @@ from support import assert_same_weights
 
 from mini_transformer import TransformerConfig, TransformerLM
 from mini_transformer.cli import main
+from mini_transformer.model.transformer import TransformerBlock
 from mini_transformer.parallel import run_processes
 from mini_transformer.parallel.launch import free_port
-from mini_transformer.train import TrainConfig, train
-from mini_transformer.train_io import load_train_state
-from mini_transformer.transformer import TransformerBlock
+from mini_transformer.training import TrainConfig, train
+from mini_transformer.training.io import load_train_state
 
 
 @pytest.fixture(scope="module")

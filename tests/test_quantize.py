@@ -13,15 +13,13 @@ from safetensors.torch import load_file
 
 from mini_transformer import TransformerConfig, TransformerLM, generate
 from mini_transformer.checkpoint import CheckpointError
-from mini_transformer.quantize import (
+from mini_transformer.model.quantize import (
     Int4Linear,
     Int8Linear,
     int4_rowwise,
     int8_rowwise,
-    load_quantized,
     pack_nibbles,
     quantize,
-    save_quantized,
     unpack_nibbles,
 )
 
@@ -164,8 +162,8 @@ def test_int4_leaves_layers_that_do_not_divide_into_groups_in_float():
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_checkpoint_round_trips(tmp_path, mode):
     model = quantize(tiny_model(), mode, group_size=32)
-    save_quantized(model, tmp_path)
-    loaded = load_quantized(tmp_path)
+    model.save_pretrained(tmp_path)
+    loaded = TransformerLM.from_pretrained(tmp_path)
     assert loaded.quantization == model.quantization
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
@@ -180,7 +178,7 @@ def test_quantized_checkpoint_loads_through_from_pretrained(tmp_path, mode, tied
     """One loader: from_pretrained sees quantization.json and rebuilds the quantized model, head included
     (a tied head was quantized into its own copy, so it must have been saved beside the embedding)."""
     model = quantize(tiny_model(tie_weights=tied), mode, group_size=32)
-    model.save_pretrained(tmp_path)  # a quantized model's save_pretrained is save_quantized
+    model.save_pretrained(tmp_path)  # writes quantization.json beside the weights
     assert json.loads((tmp_path / "quantization.json").read_text()) == model.quantization
     assert "quantization.json" in json.loads((tmp_path / "manifest.json").read_text())["files"]
     loaded = TransformerLM.from_pretrained(tmp_path)
@@ -199,14 +197,13 @@ def test_a_float_tied_head_is_still_stored_once(tmp_path):
 
 
 def test_damaged_quantized_weights_are_refused_by_the_manifest(tmp_path):
-    save_quantized(quantize(tiny_model(), "int8"), tmp_path)
+    quantize(tiny_model(), "int8").save_pretrained(tmp_path)
     weights = tmp_path / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0x01  # one bit of the last tensor's bytes: same size, a slightly different weight
     weights.write_bytes(bytes(data))
-    for load in (TransformerLM.from_pretrained, load_quantized):
-        with pytest.raises(CheckpointError, match=r"model\.safetensors does not match the sha256"):
-            load(tmp_path)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors does not match the sha256"):
+        TransformerLM.from_pretrained(tmp_path)
 
 
 def test_server_build_context_serves_a_quantized_checkpoint(tmp_path):
@@ -216,7 +213,7 @@ def test_server_build_context_serves_a_quantized_checkpoint(tmp_path):
 
     model, tokenizer = make_char_checkpoint(tmp_path)
     quantized = quantize(model, "int4", group_size=32)
-    save_quantized(quantized, tmp_path)  # over the float files: same directory, same tokenizer
+    quantized.save_pretrained(tmp_path)  # over the float files: same directory, same tokenizer
     ctx = build_context(tmp_path, num_blocks=32, block_size=4)
     served = ctx.engine_loop.engine.model
     assert served.quantization == quantized.quantization
@@ -232,10 +229,6 @@ def test_quantize_door_errors(tmp_path):
     model = quantize(tiny_model(), "int8")
     with pytest.raises(ValueError, match="already quantized"):
         quantize(model, "int4")
-    with pytest.raises(ValueError, match="not quantized"):
-        save_quantized(tiny_model(), tmp_path)
-    with pytest.raises(ValueError, match="quantization.json"):
-        load_quantized(tmp_path)
 
 
 def test_sample_cli_quantize_flag_and_quantized_checkpoint(tmp_path, capsys):
@@ -251,7 +244,7 @@ def test_sample_cli_quantize_flag_and_quantized_checkpoint(tmp_path, capsys):
     quantized = quantize(model, "int8")
     expected = generate(quantized, torch.tensor([tokenizer.encode("the fox")]), 12)
     assert capsys.readouterr().out == "the fox" + tokenizer.decode(expected[0].tolist()) + "\n"
-    save_quantized(quantized, tmp_path / "int8")
+    quantized.save_pretrained(tmp_path / "int8")
     tokenizer.save(tmp_path / "int8")
     assert main(["sample", "--checkpoint", str(tmp_path / "int8"), *args]) == 0
     assert capsys.readouterr().out == "the fox" + tokenizer.decode(expected[0].tolist()) + "\n"

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mini_transformer import TransformerConfig, TransformerLM
-from mini_transformer.kv_cache import NoCache
-from mini_transformer.rope import RotaryEmbedding, apply_rope, rope_tables, rotate_half, sinusoidal_table
+from mini_transformer.model.cache import NoCache
+from mini_transformer.model.rope import RotaryEmbedding, apply_rope, rope_tables, rotate_half, sinusoidal_table
 
 FAST = settings(max_examples=15, deadline=None)
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mini_transformer.sampling import (
+from mini_transformer.inference.sampling import (
     SamplingParams,
     apply_repetition_penalty,
     draw_from_probs,

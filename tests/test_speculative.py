@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mini_transformer import KVCache, SamplingParams, TransformerConfig, TransformerLM, generate
-from mini_transformer.speculative import (
+from mini_transformer.inference.speculative import (
     SpeculativeStats,
     accept_drafts,
     lookup_drafts,

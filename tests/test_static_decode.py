@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from support import padded_prompts, small_lm
 
 from mini_transformer import KVCache, TransformerConfig, TransformerLM, generate
-from mini_transformer.static_cache import StaticCache, _one_query_attention, _one_row_addmm, _one_row_mm
+from mini_transformer.inference.static_cache import StaticCache, _one_query_attention, _one_row_addmm, _one_row_mm
 
 VOCAB = 40
 
@@ -157,7 +157,7 @@ def test_a_cache_marked_static_is_made_once_and_reset_for_each_call(monkeypatch)
     CUDA graphs up for the step). A fresh cache per generate() call did that on every call. Emulated on the
     CPU with the marking switched on: three calls of one shape make ONE cache, and each call (padded,
     padded otherwise, unpadded) still gives the eager tokens, so the reset between calls is complete."""
-    from mini_transformer import static_cache
+    from mini_transformer.inference import static_cache
 
     monkeypatch.setattr(static_cache, "marks_static_addresses", lambda device: True)
     monkeypatch.setattr(static_cache, "_SHARED_CACHES", {}, raising=False)
@@ -246,7 +246,7 @@ def test_cpu_decode_backend_settings_stay_inside_its_compile():
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.utils import run_and_get_code
 
-    from mini_transformer.quantize import quantize
+    from mini_transformer.model.quantize import quantize
 
     before = (inductor_config.get_config_copy(), functorch_config.get_config_copy(), dict(select_decomp_table()))
     torch.manual_seed(0)  # a layout no other test compiles (d_model 24), so this call compiles here
@@ -274,7 +274,7 @@ def test_sample_cli_compile_flag_reaches_generate(tmp_path, capsys, monkeypatch)
     model = TransformerLM(small_model(dtype=torch.float32).config.replace(vocab_size=tokenizer.vocab_size))
     model.save_pretrained(tmp_path)
     tokenizer.save(tmp_path)
-    generate_module = importlib.import_module("mini_transformer.generate")  # the module, not the function
+    generate_module = importlib.import_module("mini_transformer.inference.generate")  # the module, not the function
     seen = []
     real_generate = generate_module.generate
 

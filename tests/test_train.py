@@ -11,12 +11,19 @@ from safetensors.torch import load_file, save_file
 from support import assert_same_weights
 
 from mini_transformer import TransformerConfig, TransformerLM
-from mini_transformer import train as train_module
 from mini_transformer.checkpoint import write_manifest
 from mini_transformer.cli import main
 from mini_transformer.tokenizer import CharTokenizer, load_tokenizer
-from mini_transformer.train import TrainConfig, TrainingDiverged, lr_at, make_optimizer, train
-from mini_transformer.train_io import TRAIN_STATE_FILE, find_checkpoint, load_train_state, save_checkpoint
+from mini_transformer.training import TrainConfig, train
+from mini_transformer.training import loop as train_module
+from mini_transformer.training.io import (
+    TRAIN_STATE_FILE,
+    TrainingDiverged,
+    find_checkpoint,
+    load_train_state,
+    save_checkpoint,
+)
+from mini_transformer.training.loop import lr_at, make_optimizer
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TINY = dict(d_model=32, n_heads=2, n_layer=2, max_seq_len=16, attn_backend="sdpa")

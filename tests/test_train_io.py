@@ -13,12 +13,13 @@ import sys
 import pytest
 import torch
 
-from mini_transformer import TransformerConfig, TransformerLM, checkpoint, train_io
-from mini_transformer import train as train_module
+from mini_transformer import TransformerConfig, TransformerLM, checkpoint
 from mini_transformer.checkpoint import CheckpointError
 from mini_transformer.cli import main
-from mini_transformer.train import TrainConfig, train
-from mini_transformer.train_io import TRAIN_STATE_FILE, find_checkpoint, load_train_state
+from mini_transformer.training import TrainConfig, train
+from mini_transformer.training import io as train_io
+from mini_transformer.training import loop as train_module
+from mini_transformer.training.io import TRAIN_STATE_FILE, find_checkpoint, load_train_state
 
 TINY = dict(vocab_size=1, d_model=32, n_heads=2, n_layer=2, max_seq_len=16, attn_backend="sdpa")
 

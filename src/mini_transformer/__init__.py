@@ -3,11 +3,11 @@
 from .config import PRESETS, TransformerConfig
 
 # `generate` is imported eagerly on purpose: with a lazy module __getattr__, importing the submodule
-# `mini_transformer.generate` rebinds the package attribute `generate` to the module, and
+# `mini_transformer.inference.generate` rebinds the package attribute `generate` to the module, and
 # `from mini_transformer import generate` then returned the module instead of the function.
-from .generate import generate
-from .kv_cache import KVCache
-from .sampling import SamplingParams
-from .transformer import TransformerLM
+from .inference.generate import generate
+from .inference.kv_cache import KVCache
+from .inference.sampling import SamplingParams
+from .model.transformer import TransformerLM
 
 __all__ = ["PRESETS", "KVCache", "SamplingParams", "TransformerConfig", "TransformerLM", "generate"]

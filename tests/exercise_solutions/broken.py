@@ -8,8 +8,8 @@ import types
 import torch
 
 from mini_transformer.engine.block_manager import BlockManager as _ProjectBlockManager
-from mini_transformer.generate import decode_step
-from mini_transformer.kv_cache import KVCache
+from mini_transformer.inference.generate import decode_step
+from mini_transformer.inference.kv_cache import KVCache
 from mini_transformer.server.text import IncrementalText as _ProjectIncrementalText
 
 from . import ex2_rope, ex6_modern_block, ex7_lr_schedule, ex9_moe_router

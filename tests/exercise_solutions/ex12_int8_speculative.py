@@ -2,8 +2,8 @@
 
 import torch
 
-from mini_transformer.quantize import Int8Linear
-from mini_transformer.speculative import accept_drafts
+from mini_transformer.inference.speculative import accept_drafts
+from mini_transformer.model.quantize import Int8Linear
 
 
 def quantize_int8(w):

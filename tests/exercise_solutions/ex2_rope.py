@@ -1,6 +1,6 @@
-"""Exercise 2 answered by the project's own code: mini_transformer.rope."""
+"""Exercise 2 answered by the project's own code: mini_transformer.model.rope."""
 
-from mini_transformer import rope
+from mini_transformer.model import rope
 
 
 def rope_tables(positions, d_head, theta=10000.0):

@@ -6,7 +6,7 @@ import torch
 from mini_transformer import TransformerConfig
 from mini_transformer.attention import attention
 from mini_transformer.config import llama_ffn_size
-from mini_transformer.layers import RMSNorm, SwiGLU
+from mini_transformer.model.layers import RMSNorm, SwiGLU
 
 
 def rms_norm(x, weight, eps=1e-6):

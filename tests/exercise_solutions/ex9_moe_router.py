@@ -1,7 +1,7 @@
 """Exercise 9 answered by the project's own code: moe.route and moe.load_balancing_loss."""
 
-from mini_transformer import moe
-from mini_transformer.moe import route
+from mini_transformer.model import moe
+from mini_transformer.model.moe import route
 
 
 def load_balancing_loss(router_logits, k):

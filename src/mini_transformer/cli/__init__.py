@@ -30,7 +30,7 @@ def _add_info(sub) -> None:
 
 
 def _run_info(args) -> None:
-    from ..info import describe
+    from .info import describe
 
     print(describe(config_from_args(args)))
 
@@ -47,7 +47,7 @@ def _add_trace(sub) -> None:
 
 
 def _run_trace(args) -> None:
-    from ..trace import trace
+    from .trace import trace
 
     print(trace(config_from_args(args), batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed))
 
@@ -75,8 +75,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     import torch
     from safetensors import SafetensorError
 
-    from ..data import DatasetUnavailable
-    from ..train_io import TrainingDiverged
+    from ..training.data import DatasetUnavailable
+    from ..training.io import TrainingDiverged
 
     return (ValueError, TypeError, OSError, SafetensorError, DatasetUnavailable, TrainingDiverged, MemoryError,
             torch.OutOfMemoryError)

@@ -64,11 +64,11 @@ def _run_sample(args) -> None:
     import torch
 
     from ..checkpoint import resolve_checkpoint_dir
-    from ..generate import generate_long
-    from ..runtime import resolve_device
-    from ..sampling import SamplingParams
+    from ..inference.generate import generate_long
+    from ..inference.sampling import SamplingParams
+    from ..model.transformer import TransformerLM
     from ..tokenizer import load_tokenizer
-    from ..transformer import TransformerLM
+    from ..training.runtime import resolve_device
 
     prompts = _read_prompts(args)
     if args.max_new_tokens < 1:
@@ -120,9 +120,9 @@ def _run_sample(args) -> None:
 
 
 def _load_sample_model(args, checkpoint, device):
-    """The checkpoint (float, or quantized as saved by quantize.save_quantized), quantized if --quantize asks."""
-    from ..quantize import quantize
-    from ..transformer import TransformerLM
+    """The checkpoint (float, or quantized as its save_pretrained wrote it), quantized if --quantize asks."""
+    from ..model.quantize import quantize
+    from ..model.transformer import TransformerLM
 
     if args.draft_checkpoint and args.prompt_lookup:
         raise ValueError("--draft-checkpoint and --prompt-lookup are two drafters; choose one")

@@ -55,7 +55,7 @@ def _add_train(sub) -> None:
 
 def train_configs_from_args(args):
     """-> (TrainConfig, model config or overrides). --set keys go to whichever config has that field."""
-    from ..train import TrainConfig
+    from ..training.config import TrainConfig
 
     train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
     model_fields = {f.name for f in dataclasses.fields(TransformerConfig)}
@@ -72,7 +72,7 @@ def train_configs_from_args(args):
     given.update(data=args.data, max_steps=args.max_steps, compile=args.compile, out_dir=args.out, fsdp=args.fsdp)
     given = {**{k: v for k, v in given.items() if v is not None}, **train_set}
     if args.resume:  # the run continues with its saved settings; what is given here overrides them
-        from ..train_io import find_checkpoint, load_train_state
+        from ..training.io import find_checkpoint, load_train_state
 
         if args.preset is not None:
             raise ValueError("--preset cannot be combined with --resume: the model comes from the checkpoint "
@@ -90,7 +90,7 @@ def train_configs_from_args(args):
 
 
 def _run_train(args) -> None:
-    from ..train import train
+    from ..training.loop import train
 
     train_cfg, model_cfg = train_configs_from_args(args)
     result = train(train_cfg, model_cfg, resume=args.resume, overwrite=args.overwrite)

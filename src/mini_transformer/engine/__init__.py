@@ -10,7 +10,7 @@ vLLM's names, one small file each:
   handoff.py        KVHandoff: a prefilled request moved to another engine (prefill/decode disaggregation)
 """
 
-from ..sampling import SamplingParams
+from ..inference.sampling import SamplingParams
 from .block_manager import BlockManager
 from .handoff import KVHandoff
 from .llm_engine import InvalidRequest, LLMEngine

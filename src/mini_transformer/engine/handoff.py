@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingParams
+from ..inference.sampling import SamplingParams
 from .block_manager import blocks_for
 from .sequence import Sequence
 

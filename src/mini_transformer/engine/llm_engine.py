@@ -23,8 +23,8 @@ from collections.abc import Sequence as Seq
 import torch
 from tqdm import tqdm
 
-from ..sampling import SamplingParams
-from ..transformer import TransformerLM
+from ..inference.sampling import SamplingParams
+from ..model.transformer import TransformerLM
 from . import handoff
 from .block_manager import BlockManager, blocks_for
 from .handoff import KVHandoff

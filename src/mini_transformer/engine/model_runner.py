@@ -16,8 +16,8 @@ import torch
 
 from ..attention.paged import BLOCK_TABLE, GATHERED, PagedAttentionMetadata, paged_attention, write_kv
 from ..config import TransformerConfig
-from ..sampling import sample_next
-from ..transformer import Attend, TransformerLM
+from ..inference.sampling import sample_next
+from ..model.transformer import Attend, TransformerLM
 from .sequence import Sequence
 
 

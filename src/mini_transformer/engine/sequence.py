@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingParams
+from ..inference.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..moe import Experts, moe_layers
-from ..transformer import TransformerLM
+from ..model.moe import Experts, moe_layers
+from ..model.transformer import TransformerLM
 from .tp import CollectiveCounter
 
 

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 
 from ..checkpoint import load_state_into
-from ..transformer import TransformerLM
+from ..model.transformer import TransformerLM
 
 FULL_ON_RANK_0 = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it all, others {}
 

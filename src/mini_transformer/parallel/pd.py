@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from ..engine import KVHandoff, LLMEngine
-from ..sampling import SamplingParams
-from ..transformer import TransformerLM
+from ..inference.sampling import SamplingParams
+from ..model.transformer import TransformerLM
 
 PREFILL_RANK, DECODE_RANK = 0, 1
 

@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import TransformerConfig
-from ..transformer import TransformerLM
+from ..model.transformer import TransformerLM
 
 
 @dataclass

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sampling import SamplingParams
+from ..inference.sampling import SamplingParams
 from .metrics import ServerMetrics
 from .protocol import ErrorResponse
 from .state import engine_state

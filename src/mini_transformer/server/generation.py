@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from ..sampling import SamplingParams
+from ..inference.sampling import SamplingParams
 from .engine_loop import Accepted, EngineLoop, Failed, RequestHandle, StepOutput
 from .protocol import ErrorResponse
 from .text import IncrementalText, TextCodec

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..sampling import SamplingParams
+from ..inference.sampling import SamplingParams
 
 
 class ErrorResponse(Exception):

@@ -11,7 +11,7 @@ import signal
 from pathlib import Path
 
 from ..checkpoint import resolve_checkpoint_dir
-from ..transformer import TransformerLM
+from ..model.transformer import TransformerLM
 from .app import ServerContext, create_app
 from .engine_loop import EngineLoop
 from .metrics import ServerMetrics

@@ -22,17 +22,12 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from .config import TransformerConfig
+from ..config import TransformerConfig
+from ..model.transformer import TransformerLM
+from ..tokenizer import build_tokenizer, load_tokenizer
+from .config import TrainConfig
 from .data import get_batch, load_text, split_tokens
-from .runtime import (
-    autocast_dtype,
-    leave_process_group,
-    resolve_device,  # noqa: F401  (callers have long imported it from here)
-    setup_distributed,
-)
-from .tokenizer import build_tokenizer, load_tokenizer
-from .train_config import TrainConfig
-from .train_io import (
+from .io import (
     END_OF_RUN_FILES,
     TrainingDiverged,
     find_checkpoint,
@@ -41,9 +36,14 @@ from .train_io import (
     prepare_out_dir,
     save_checkpoint,
 )
-from .transformer import TransformerLM
+from .runtime import (
+    autocast_dtype,
+    leave_process_group,
+    resolve_device,  # noqa: F401  (callers have long imported it from here)
+    setup_distributed,
+)
 
-__all__ = ["TrainConfig", "TrainResult", "TrainingDiverged", "lr_at", "make_optimizer", "train"]
+__all__ = ["TrainResult", "lr_at", "make_optimizer", "train"]
 
 
 @dataclass
@@ -234,7 +234,7 @@ class _Run:
 
     def restore(self, state: dict) -> None:
         if self.cfg.fsdp:  # a single-process-format state: every rank keeps its shard of it
-            from .parallel import fsdp
+            from ..parallel import fsdp
 
             fsdp.load_optimizer_state(self.raw_model, self.optimizer, state["optimizer"])
         elif self.pipeline is not None:  # each rank keeps the state of its stages' parameters
@@ -252,7 +252,7 @@ class _Run:
     def evaluate_and_save(self, bar) -> None:
         model, optimizer_state = self.raw_model, None
         if self.cfg.fsdp:  # every rank sends its shards; rank 0 evaluates and saves a plain model
-            from .parallel import fsdp
+            from ..parallel import fsdp
 
             model, optimizer_state = fsdp.gather_full_state(self.raw_model, self.optimizer)
             if self.rank != 0:
@@ -292,7 +292,7 @@ def _start(cfg: TrainConfig, model_cfg, ckpt: Path | None, rank: int, world_size
     train_data, val_data = split_tokens(ids, block_size)
     model.to(device)
     if cfg.fsdp:  # before the optimizer, which must see (and keep state for) the shards only
-        from .parallel.fsdp import shard_for_training
+        from ..parallel.fsdp import shard_for_training
 
         shard_for_training(model)
     pipeline = None
@@ -345,7 +345,7 @@ def _train(run: _Run) -> TrainResult:
     bar.close()
     out_dir = Path(cfg.out_dir)
     if cfg.fsdp:  # a plain model for the samples and the result (rank 0); the others keep their shards
-        from .parallel.fsdp import gather_full_model
+        from ..parallel.fsdp import gather_full_model
 
         run.raw_model = gather_full_model(run.raw_model) or run.raw_model
     if master:

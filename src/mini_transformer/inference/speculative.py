@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.transformer import TransformerLM
 from .kv_cache import KVCache
 from .sampling import SamplingParams, draw_from_probs, filtered_logits
-from .transformer import TransformerLM
 
 PROMPT_LOOKUP = "prompt_lookup"
 

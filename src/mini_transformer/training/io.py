@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (
+from ..checkpoint import (
     CHECKPOINT_NAMES,
     CONFIG_NAME,
     MANIFEST_NAME,
@@ -178,7 +178,7 @@ def plot_losses(losses: list[float], evals: list[list[float]], path: str | Path)
 def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, *, temperature: float = 0.8,
                 generator: torch.Generator | None = None, device="cpu") -> str:
     """Sample a continuation with the KV cache; past the model's context the window slides (generate_long)."""
-    from .generate import generate_long
+    from ..inference.generate import generate_long
 
     ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)  # (1, T)
     new = generate_long(model, ids, max_new_tokens, temperature=temperature, generator=generator)  # (1, N)

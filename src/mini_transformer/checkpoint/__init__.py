@@ -1,11 +1,11 @@
-"""Checkpoint files: our own format (config.json + model.safetensors + manifest.json), and the reader
-that also takes local Hugging Face GPT-2 / Llama directories (their mapping lives in hf_import.py).
+"""Checkpoint files: our own format (config.json + model.safetensors + manifest.json, and
+quantization.json for a quantized model), and the reader that also takes local Hugging Face directories
+(their translation lives in hf.py, families.py and rules.py).
 
-This module speaks TransformerConfig and state dicts; it never imports the model. TransformerLM's
-`from_pretrained` / `save_pretrained` call down into `read_checkpoint` / `write_checkpoint`, so data
-flows one way: transformer -> checkpoint -> hf_import -> config. A quantized model is saved the same
-way plus a `quantization.json` (quantize.py), and read back by swapping quantized linears into the
-fresh model before its tensors are loaded.
+This package speaks TransformerConfig and state dicts; it never imports the model. TransformerLM's
+`from_pretrained` / `save_pretrained` call down into `read_checkpoint` / `write_checkpoint` and hand in a
+factory that builds (and, for a quantized checkpoint, quantizes) the model, so data flows one way:
+model -> checkpoint -> config.
 
 Integrity: every directory we write ends with `manifest.json`, the size and sha256 of each file in it,
 written last. Loading checks the manifest before reading anything else and refuses NaN / inf weights,
@@ -24,13 +24,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .config import TransformerConfig
-from .hf_import import config_from_hf, convert_hf_state, read_hf_weights
-from .quantize import QUANT_CONFIG_NAME, quantize
+from ..config import TransformerConfig
+from .hf import config_from_hf, convert_hf_state, read_hf_weights
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 MANIFEST_NAME = "manifest.json"
+QUANT_CONFIG_NAME = "quantization.json"  # a quantized model's mode, group size and skipped layers
 MODEL_TYPE = "mini-transformer"
 CHECKPOINT_NAMES = ("best", "last")  # the two checkpoints of a run directory
 
@@ -140,9 +140,10 @@ def head_is_embedding(state: dict[str, torch.Tensor]) -> bool:
 
 
 def write_checkpoint(path: str | Path, config: TransformerConfig, state_dict: dict[str, torch.Tensor], *,
-                     manifest: bool = True) -> None:
+                     quantization: dict | None = None, manifest: bool = True) -> None:
     """Write config.json, model.safetensors and manifest.json. A tied head is stored once (as tok_emb.weight);
-    a quantized copy of it (see head_is_embedding) is stored as lm_head.weight.
+    a quantized copy of it (see head_is_embedding) is stored as lm_head.weight. A quantized model's
+    settings (`model.quantization`: mode, group size, skipped layers) go to quantization.json.
 
     The old manifest goes first and the new one comes last, so a save killed half-way leaves a
     directory that loading refuses instead of one that mixes two models. `manifest=False` leaves it
@@ -155,6 +156,9 @@ def write_checkpoint(path: str | Path, config: TransformerConfig, state_dict: di
         state.pop("lm_head.weight")
     save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path / WEIGHTS_NAME))
     (path / CONFIG_NAME).write_text(json.dumps({"model_type": MODEL_TYPE, **config.to_dict()}, indent=2))
+    (path / QUANT_CONFIG_NAME).unlink(missing_ok=True)  # a float model saved over a quantized one
+    if quantization:
+        (path / QUANT_CONFIG_NAME).write_text(json.dumps(quantization, indent=2))
     if manifest:
         write_manifest(path)
 
@@ -186,7 +190,7 @@ def check_finite(state: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def read_quantization(path: Path) -> dict | None:
-    """The settings quantize.save_quantized wrote next to the weights, or None for a float checkpoint."""
+    """The settings write_checkpoint wrote next to a quantized model's weights, or None for a float one."""
     file = path / QUANT_CONFIG_NAME
     if not file.is_file():
         return None
@@ -196,13 +200,14 @@ def read_quantization(path: Path) -> dict | None:
     return settings
 
 
-def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig], torch.nn.Module],
+def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig, dict | None], torch.nn.Module],
                     **overrides) -> torch.nn.Module:
-    """Build a model with `make_model(config)` and fill it from a directory written by `write_checkpoint`
-    or from a local Hugging Face GPT-2 / Llama directory. Never touches the network.
+    """Build a model with `make_model(config, quantization)` and fill it from a directory written by
+    `write_checkpoint` or from a local Hugging Face directory. Never touches the network.
 
-    Ours must pass its manifest; a HF directory (no manifest) may name only files inside itself. One of
-    ours with a quantization.json (quantize.save_quantized) comes back quantized, as it was saved.
+    `quantization` is None for a float checkpoint, else the settings of quantization.json: the factory
+    swaps in the quantized linears, so the saved tensors fit them (this module never builds a model).
+    Ours must pass its manifest; a HF directory (no manifest) may name only files inside itself.
     `overrides` change config fields (e.g. attn_backend="sdpa")."""
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"path={path!r} must be a directory path (str or os.PathLike)")
@@ -219,10 +224,7 @@ def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig], 
         verify_checkpoint(path)  # names the missing manifest, and the run's other checkpoint if sound
     if ours:
         raw.pop("model_type", None)
-        model = make_model(TransformerConfig.from_dict({**raw, **overrides}))
-        settings = read_quantization(path)
-        if settings is not None:  # swap in the quantized linears first, so the saved tensors fit them
-            model = quantize(model, settings["mode"], settings["group_size"])
+        model = make_model(TransformerConfig.from_dict({**raw, **overrides}), read_quantization(path))
         weights = path / WEIGHTS_NAME
         if not weights.is_file():
             raise CheckpointError(f"{weights} is missing; expected the weights next to {CONFIG_NAME}")
@@ -231,7 +233,7 @@ def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig], 
         except SafetensorError as err:
             raise CheckpointError(f"{weights} cannot be read ({err})") from None
     else:  # a Hugging Face directory: an unknown architecture raises ValueError here
-        model = make_model(config_from_hf(raw, **overrides))
+        model = make_model(config_from_hf(raw, **overrides), None)
         state = convert_hf_state(read_hf_weights(path), raw, model.config, model.state_dict())
     check_finite(state, path)
     load_state_into(model, state)

@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 import torch
 
+from ..model.transformer import TransformerLM, check_attention_mask, check_token_ids
 from .kv_cache import KVCache
 from .sampling import SamplingParams, sample_next
-from .transformer import TransformerLM, check_attention_mask, check_token_ids
 
 
 def prefill(model: TransformerLM, idx: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None):

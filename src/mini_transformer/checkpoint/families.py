@@ -1,9 +1,8 @@
-"""Hugging Face import for the families people download today: Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE.
+"""The one registry of Hugging Face families we import: a row of `FAMILIES` each.
 
-Each is Llama's block (RoPE, RMSNorm, SwiGLU, GQA) plus a few differences, and each difference is a
-named switch of TransformerConfig, never a special case in the model. The Llama translation itself
-(config fields, tensor names, rotary and norm details) is hf_import's `llama_values` and `llama_rules`;
-a family is only its row of `FAMILIES`, the differences below:
+GPT-2 and Llama are rows whose config and tensor-name translations are written out in rules.py. Every
+other family is Llama's block (RoPE, RMSNorm, SwiGLU, GQA) plus a few differences, each a named switch
+of TransformerConfig, never a special case in the model; its row names only the differences:
 
     family      architecture            differences from Llama -> our switches
     mistral     MistralForCausalLM      none in the block (sliding window: see `context_length`)
@@ -19,10 +18,11 @@ Checkpoints store every expert as its own tensors (`experts.{e}.w1.weight` in Mi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .config import TransformerConfig
-from .hf_import import LLAMA_FFN_NAMES, Rule, _require, llama_rules, llama_values
+from ..config import TransformerConfig
+from .rules import LLAMA_FFN_NAMES, Rule, gpt2_config, gpt2_rules, llama_config, llama_rules, llama_values, require
 
 QWEN3_NO_O_BIAS = ("attention_bias", False, "Qwen3's optional o_proj bias has no switch here")
 EVERY_LAYER_MOE = ("decoder_sparse_step", 1, "every layer is an MoE layer in our model")
@@ -30,7 +30,13 @@ EVERY_LAYER_MOE = ("decoder_sparse_step", 1, "every layer is an MoE layer in our
 
 @dataclass(frozen=True)
 class Family:
-    """What one family changes in Llama's import; everything it does not name is Llama's."""
+    """What one family changes in Llama's import; everything it does not name is Llama's. A family that is
+    not Llama-derived (GPT-2), and Llama itself, give their own `config` and `rules` translations."""
+
+    architecture: str  # architectures[0] in config.json
+    config: Callable[..., TransformerConfig] | None = None  # config.json dict -> ours (None: Llama's + the row)
+    rules: Callable[[TransformerConfig], list[Rule]] | None = None  # our tensor names <- theirs
+    base_prefix: str = "model."  # where *ForCausalLM files keep the base model's tensors
 
     switches: dict = field(default_factory=dict)  # our config fields the family fixes
     required: tuple = ()  # (config.json key, the one value we support, why)
@@ -43,14 +49,37 @@ class Family:
 
 
 FAMILIES = {
-    "mistral": Family(),
-    "qwen2": Family(switches=dict(qkv_bias=True), window_needs_switch=True),
-    "qwen3": Family(switches=dict(qk_norm=True), required=(QWEN3_NO_O_BIAS,), window_needs_switch=True),
-    "mixtral": Family(moe=True, moe_block="block_sparse_moe", renormalize=True,  # w1 = gate, w3 = up, w2 = down
-                      expert_names=(("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2"))),
-    "qwen3_moe": Family(switches=dict(qk_norm=True), required=(QWEN3_NO_O_BIAS, EVERY_LAYER_MOE),
-                        window_needs_switch=True, moe=True, expert_d_ff_key="moe_intermediate_size"),
+    "gpt2": Family("GPT2LMHeadModel", config=gpt2_config, rules=gpt2_rules, base_prefix="transformer."),
+    "llama": Family("LlamaForCausalLM", config=llama_config, rules=llama_rules),
+    "mistral": Family("MistralForCausalLM"),
+    "qwen2": Family("Qwen2ForCausalLM", switches=dict(qkv_bias=True), window_needs_switch=True),
+    "qwen3": Family("Qwen3ForCausalLM", switches=dict(qk_norm=True), required=(QWEN3_NO_O_BIAS,),
+                    window_needs_switch=True),
+    "mixtral": Family("MixtralForCausalLM", moe=True, moe_block="block_sparse_moe", renormalize=True,
+                      expert_names=(("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2"))),  # w1 gate, w3 up, w2 down
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", switches=dict(qk_norm=True),
+                        required=(QWEN3_NO_O_BIAS, EVERY_LAYER_MOE), window_needs_switch=True, moe=True,
+                        expert_d_ff_key="moe_intermediate_size"),
 }
+ARCHITECTURES = {spec.architecture: name for name, spec in FAMILIES.items()}  # architectures[0] -> family
+
+
+def hf_family(raw: dict) -> str:
+    """The FAMILIES key for a supported HF config.json dict; ValueError for anything else."""
+    architectures = raw.get("architectures") or []
+    if architectures:
+        if architectures[0] in ARCHITECTURES:
+            return ARCHITECTURES[architectures[0]]
+        raise ValueError(
+            f"architecture {architectures[0]!r} is not supported; expected one of {', '.join(ARCHITECTURES)}"
+        )
+    model_type = raw.get("model_type")
+    if model_type in ARCHITECTURES.values():
+        return model_type
+    raise ValueError(
+        f"config.json has model_type={model_type!r} and no known architectures; "
+        f"expected 'mini-transformer' or a Hugging Face {' / '.join(ARCHITECTURES)} checkpoint"
+    )
 
 
 def context_length(raw: dict, spec: Family, max_len: int) -> int:
@@ -81,10 +110,12 @@ def _moe_values(raw: dict, spec: Family) -> dict:
 
 
 def family_config(raw: dict, family: str, **overrides) -> TransformerConfig:
-    """Our TransformerConfig for the config.json of mistral, qwen2, qwen3, mixtral or qwen3_moe."""
+    """Our TransformerConfig for the config.json of a `family` of FAMILIES."""
     spec = FAMILIES[family]
+    if spec.config is not None:
+        return spec.config(raw, **overrides)
     for key, expected, why in spec.required:
-        _require(raw, key, expected, why)
+        require(raw, key, expected, why)
     values = llama_values(raw, default_max_seq_len=32768, default_d_ff=14336)
     # no family here has Llama's bias switch (Qwen3's attention_bias must be False: `required`); the only
     # biases are a row's own switch (Qwen2's qkv_bias)
@@ -95,8 +126,11 @@ def family_config(raw: dict, family: str, **overrides) -> TransformerConfig:
 
 
 def family_rules(cfg: TransformerConfig, family: str) -> list[Rule]:
-    """Llama's rules (hf_import.llama_rules); an MoE family swaps each dense FFN for its router and experts."""
+    """The row's own rules, else Llama's (rules.llama_rules); an MoE family swaps each dense FFN for its
+    router and experts."""
     spec = FAMILIES[family]
+    if spec.rules is not None:
+        return spec.rules(cfg)
     if cfg.ffn != "moe":
         return llama_rules(cfg)
 

@@ -1,53 +1,18 @@
-"""What the model asks of a cache, and the two answers this file gives.
+"""The contiguous KV cache of generate(): one slab of keys and one of values per layer.
 
-The model never looks inside a cache. For each forward pass it asks two things:
-
-    positions = cache.begin(idx, attention_mask)       # (B, T) position ids of the new tokens
-    out = cache.attend(layer, q, k, v, attend)         # per layer: keep k, v; attend over what each query may see
-
-`NoCache` is a forward pass over whole sequences (training, a full recompute): the keys are the new
-tokens themselves. `KVCache` is the contiguous slab of generate(): one (B, Hkv, max_len, D) tensor per
-layer, written by position. The serving engine's paged batch answers the same two calls over a pool of
-blocks, so the same model runs all three. `SlabCache` holds what KVCache shares with static_cache.py's
-StaticCache: the check of the sizes and `for_model`.
-
-`attend(q, k, v, key_padding_mask)` is the model's attention (its backend, causal, queries at the end of
-the keys); key_padding_mask (B, Tk) bool, True = a real key, or None when no key is padding.
+It answers the model's two calls (`begin`, `attend`: model/cache.py) with a (B, Hkv, max_len, D) slab
+per layer, written by position. `SlabCache` holds what KVCache shares with static_cache.py's StaticCache:
+the check of the sizes and `for_model`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol, Self
+from typing import Self
 
 import torch
 
-from .config import TransformerConfig
-
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-
-
-class Cache(Protocol):
-    def begin(self, idx: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor: ...
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend) -> torch.Tensor: ...
-
-
-class NoCache:
-    """Whole sequences, nothing kept: keys and values are the new tokens' own."""
-
-    key_padding_mask: torch.Tensor | None = None
-
-    def begin(self, idx: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        B, T = idx.shape
-        if attention_mask is None:  # nothing to mask but the future: lets backends take fast paths
-            return torch.arange(T, device=idx.device).expand(B, T)  # (B, T)
-        self.key_padding_mask = attention_mask.bool()  # (B, T)
-        # a left-padded row starts at position 0 at its first real token
-        return (self.key_padding_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, T)
-
-    def attend(self, layer, q, k, v, attend: Attend) -> torch.Tensor:
-        return attend(q, k, v, self.key_padding_mask)
+from ..config import TransformerConfig
+from ..model.cache import Attend
 
 
 class SlabCache:

@@ -12,7 +12,7 @@ y[n] = sum_k x[k] w[n, k] the error is therefore at most sum_k |x[k]| * s[n, gro
 
     quantize(model, "int8")               # every nn.Linear replaced in place; the model stays one TransformerLM
     quantize(model, "int4", group_size=64)
-    save_quantized(model, path); model = TransformerLM.from_pretrained(path)   # comes back quantized
+    model.save_pretrained(path); TransformerLM.from_pretrained(path)   # writes quantization.json; comes back quantized
 
 How the matmul reads the small weights, three ways (the same numbers up to float rounding):
   * inside a compiled decode step (a few rows): written as multiply-and-sum over the input dimension,
@@ -25,9 +25,7 @@ How the matmul reads the small weights, three ways (the same numbers up to float
 
 from __future__ import annotations
 
-import json
 from functools import cache
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -35,7 +33,6 @@ import torch.nn.functional as F
 
 MODES = ("int8", "int4")
 FUSED_MAX_ROWS = 8  # a compiled step with at most this many rows (batch x tokens) uses the fused reduction
-QUANT_CONFIG_NAME = "quantization.json"
 
 
 @cache
@@ -230,30 +227,3 @@ def quantize(model: nn.Module, mode: str, group_size: int = 64, *, packed_kernel
                 skipped.append(full_name)
     model.quantization = {"mode": mode, "group_size": group_size, "skipped": skipped}
     return model
-
-
-def save_quantized(model: nn.Module, path: str | Path) -> None:
-    """A checkpoint like save_pretrained's (the quantized tensors as they are) plus quantization.json, then
-    the manifest, written last. TransformerLM.from_pretrained(path) loads it back quantized."""
-    from .checkpoint import write_checkpoint, write_manifest  # at call time: checkpoint.py imports this module
-
-    if not getattr(model, "quantization", None):
-        raise ValueError("the model is not quantized; call quantize(model, mode) first")
-    path = Path(path)
-    write_checkpoint(path, model.config, model.state_dict(), manifest=False)
-    (path / QUANT_CONFIG_NAME).write_text(json.dumps(model.quantization, indent=2))
-    write_manifest(path)
-
-
-def is_quantized_checkpoint(path: str | Path) -> bool:
-    return (Path(path) / QUANT_CONFIG_NAME).is_file()
-
-
-def load_quantized(path: str | Path, *, device: str | torch.device = "cpu"):
-    """TransformerLM.from_pretrained for a directory that must hold a quantized model."""
-    from .checkpoint import resolve_checkpoint_dir
-    from .transformer import TransformerLM
-
-    if not is_quantized_checkpoint(resolve_checkpoint_dir(path)):
-        raise ValueError(f"path={str(path)!r} has no {QUANT_CONFIG_NAME}; expected a directory from save_quantized")
-    return TransformerLM.from_pretrained(path, device=device)

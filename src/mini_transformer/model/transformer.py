@@ -9,13 +9,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .attention import get_backend
-from .checkpoint import read_checkpoint, write_checkpoint
-from .config import TransformerConfig
-from .kv_cache import Cache, KVCache, NoCache
-from .layers import RMSNorm, make_ffn, make_norm
-from .moe import moe_aux_loss
-from .quantize import save_quantized
+from ..attention import get_backend
+from ..checkpoint import read_checkpoint, write_checkpoint
+from ..config import TransformerConfig
+from .cache import Cache, CheckedCache, NoCache
+from .layers import MLP, RMSNorm, SwiGLU
+from .moe import MoE, moe_aux_loss
+from .quantize import quantize
 from .rope import RotaryEmbedding, apply_rope, sinusoidal_table
 
 
@@ -104,6 +104,19 @@ class MultiHeadAttention(nn.Module):
         out = cache.attend(self.layer_idx, q, k, v, self.attend)  # (B, H, T, D): keys kept, then attended
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D): heads concatenated again
         return self.W_o(out)
+
+
+def make_norm(cfg: TransformerConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def make_ffn(cfg: TransformerConfig) -> nn.Module:
+    """The block's feed-forward: the classic MLP, Llama's SwiGLU, or a Mixture of Experts of either."""
+    if cfg.ffn == "moe":
+        return MoE(cfg)
+    return SwiGLU(cfg) if cfg.ffn == "swiglu" else MLP(cfg)
 
 
 class TransformerBlock(nn.Module):
@@ -221,13 +234,13 @@ class TransformerLM(nn.Module):
                 raise ValueError("logits_at and targets do not go together: the loss needs every position's logits")
             if logits_at.numel() and not -T <= int(logits_at.min()) <= int(logits_at.max()) < T:
                 raise ValueError(f"logits_at holds positions outside [-{T}, {T}) (T={T})")
-        past = cache.length if isinstance(cache, KVCache) else 0
+        past = cache.length if isinstance(cache, CheckedCache) else 0
         if past + T > cfg.max_seq_len:
             raise ValueError(
                 f"sequence length {past + T} (cached {past} + new {T}) exceeds max_seq_len={cfg.max_seq_len}"
             )
         if cache is not None:
-            if not isinstance(cache, KVCache):
+            if not isinstance(cache, CheckedCache):
                 raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
             cache.check_fits(cfg, B, T, self.tok_emb.weight.dtype)
         if attention_mask is not None:
@@ -247,12 +260,13 @@ class TransformerLM(nn.Module):
         """Load our own checkpoint directory (its manifest verified) or a local Hugging Face GPT-2 / Llama
         directory. `overrides` change config fields (e.g. attn_backend="sdpa"). The model comes back in
         eval mode (dropout off), like Hugging Face's from_pretrained; call .train() to fine-tune."""
-        return read_checkpoint(path, cls, **overrides).to(device).eval()
+        def build(config: TransformerConfig, quantization: dict | None) -> TransformerLM:
+            model = cls(config)  # a quantized checkpoint gets its quantized linears before the tensors load
+            return model if quantization is None else quantize(model, quantization["mode"], quantization["group_size"])
+
+        return read_checkpoint(path, build, **overrides).to(device).eval()
 
     def save_pretrained(self, path) -> None:
         """Write `config.json`, `model.safetensors` and `manifest.json` (their sha256) to the directory `path`;
-        a quantized model also writes `quantization.json` (quantize.save_quantized)."""
-        if getattr(self, "quantization", None):
-            save_quantized(self, path)
-        else:
-            write_checkpoint(path, self.config, self.state_dict())
+        a quantized model (quantize.py) also writes `quantization.json`, so from_pretrained rebuilds it quantized."""
+        write_checkpoint(path, self.config, self.state_dict(), quantization=getattr(self, "quantization", None))

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import TransformerConfig
+from ..config import TransformerConfig
 
 
 class RMSNorm(nn.Module):
@@ -25,12 +25,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return (self.weight * x32.to(x.dtype)).to(x.dtype)  # weight * normalised, as HF Llama rounds it
-
-
-def make_norm(cfg: TransformerConfig) -> nn.Module:
-    if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 class MLP(nn.Module):
@@ -61,11 +55,3 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))  # (B, T, d_ff) -> (B, T, C)
-
-
-def make_ffn(cfg: TransformerConfig) -> nn.Module:
-    if cfg.ffn == "moe":
-        from .moe import MoE  # moe.py builds on the FFNs above
-
-        return MoE(cfg)
-    return SwiGLU(cfg) if cfg.ffn == "swiglu" else MLP(cfg)

@@ -26,8 +26,9 @@ from collections.abc import Callable
 
 import torch
 
-from .config import TransformerConfig
-from .kv_cache import Attend, SlabCache
+from ..config import TransformerConfig
+from ..model.cache import Attend
+from .kv_cache import SlabCache
 
 
 def marks_static_addresses(device: torch.device | str) -> bool:

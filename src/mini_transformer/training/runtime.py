@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .train_config import TrainConfig
+from .config import TrainConfig
 
 __all__ = ["autocast_dtype", "leave_process_group", "resolve_device", "setup_distributed"]
 

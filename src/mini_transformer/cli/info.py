@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import TransformerConfig
-from .transformer import TransformerLM
+from ..config import TransformerConfig
+from ..model.transformer import TransformerLM
 
 MiB = 2**20
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from .config import DictIO, _check_choice, _check_positive_int
+from ..config import DictIO, _check_choice, _check_positive_int
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]  # auto: bf16/fp16 autocast on CUDA, fp32 elsewhere
 TokenizerKind = Literal["char", "bpe"]

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from .attention.mask import build_mask
-from .attention.naive import attention_scores, attention_weights
-from .config import TransformerConfig
-from .moe import MoE, route, tokens_per_expert
-from .transformer import Attend, TransformerLM
+from ..attention.mask import build_mask
+from ..attention.naive import attention_scores, attention_weights
+from ..config import TransformerConfig
+from ..model.moe import MoE, route, tokens_per_expert
+from ..model.transformer import Attend, TransformerLM
 
 
 def _shape(t: torch.Tensor) -> str:

@@ -1,0 +1,14 @@
+"""Generating text with the model, stages 3 and 7 (docs 03, 08).
+
+  sampling.py      SamplingParams, greedy / temperature / top-k / top-p / min-p / repetition penalty
+  kv_cache.py      KVCache: the contiguous cache of generate()
+  generate.py      prefill + decode, left-padded batches, EOS, streaming
+  static_cache.py  a fixed-shape cache and the decode step compiled once (docs 08)
+  speculative.py   speculative decoding: a draft model or prompt lookup, the exact acceptance rule
+"""
+
+from .generate import generate
+from .kv_cache import KVCache
+from .sampling import SamplingParams
+
+__all__ = ["KVCache", "SamplingParams", "generate"]
