@@ -21,7 +21,7 @@ from mini_transformer import TransformerConfig, TransformerLM, generate
 from mini_transformer.cli import main
 from mini_transformer.parallel import RankFailed, run_processes
 from mini_transformer.parallel.pp import PipelineTrainer, check_pipeline, split_layers, stages_of_rank
-from mini_transformer.train_io import load_train_state
+from mini_transformer.training.io import load_train_state
 
 STYLES = {"gpt2": ["--preset", "tiny"], "llama": ["--preset", "llama-tiny"]}  # tied head / untied head
 SCHEDULES = {"gpipe": 4, "1f1b": 2, "interleaved-1f1b": 4}  # schedule -> microbatches (batch 4)
@@ -69,8 +69,9 @@ def pipeline_checks(rank: int, world_size: int, corpus, out: str, checkpoint) ->
     with contextlib.redirect_stdout(io.StringIO()):
         for style in STYLES:
             for schedule, microbatches in SCHEDULES.items():
-                codes[style, schedule] = main([*train_args(corpus, style), "--pipeline-parallel", "2", "--microbatches",
-                                               str(microbatches), "--schedule", schedule, "--out", f"{out}/{style}-{schedule}"])
+                pipeline = ["--pipeline-parallel", "2", "--microbatches", str(microbatches), "--schedule", schedule]
+                run_dir = f"{out}/{style}-{schedule}"
+                codes[style, schedule] = main([*train_args(corpus, style), *pipeline, "--out", run_dir])
         codes["stopped"] = main([*train_args(corpus, "gpt2", steps=3), "--pipeline-parallel", "2", "--microbatches",
                                  "4", "--schedule", "interleaved-1f1b", "--out", f"{out}/resumed"])
         codes["resumed"] = main(["train", "--resume", f"{out}/resumed", "--max-steps", "5"])
@@ -83,7 +84,20 @@ def pipeline_checks(rank: int, world_size: int, corpus, out: str, checkpoint) ->
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         codes["sample"] = main(["sample", "--checkpoint", str(checkpoint), *SAMPLE, "--pipeline-parallel", "2"])
-    return {"codes": codes, "decoded": decoded, "sample_text": printed.getvalue()}
+    return {"codes": codes, "decoded": decoded, "sample_text": printed.getvalue(), "order": run_order("1f1b", 4)}
+
+
+def run_order(schedule: str, microbatches: int) -> list[str]:
+    """The order in which this rank's stage really runs forwards and backwards in one step."""
+    trainer = PipelineTrainer(build({**GPT2_STYLE, "n_layer": 2}).train(), schedule, microbatches)
+    stage, order = trainer.stages[0], []
+    for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+        method = getattr(stage, name)
+        setattr(stage, name,
+                lambda chunk, *a, _m=method, _k=kind, **k: order.append(f"{_k}{chunk}") or _m(chunk, *a, **k))
+    idx = torch.randint(101, (4, 8), generator=torch.Generator().manual_seed(2))
+    trainer.step(idx, idx)
+    return order
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +184,14 @@ def test_cli_sample_pipeline_parallel_prints_what_one_process_prints(two_ranks, 
     assert [r["codes"]["sample"] for r in results] == [0, 0]
     assert results[0]["sample_text"] == capsys.readouterr().out
     assert results[1]["sample_text"] == ""  # only rank 0 prints
+
+
+def test_1f1b_runs_warm_up_then_one_forward_one_backward(two_ranks):
+    """What Schedule1F1B really runs (exercise 14 and docs/10 draw it): rank 0 warms up with p - 1 = 1
+    extra forward, rank 1 (the last) alternates from the start; at most p - rank microbatches in flight."""
+    rank_0, rank_1 = (r["order"] for r in two_ranks[1])
+    assert rank_0 == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    assert rank_1 == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
 
 
 # ------------------------------------------------------------------------- bad input, before any wait

@@ -34,8 +34,8 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from ..config import TransformerConfig
-from ..kv_cache import NoCache
-from ..transformer import TransformerLM, lm_loss
+from ..model.cache import NoCache
+from ..model.transformer import TransformerLM, lm_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}  # interleaved: v = 2 virtual stages per rank
@@ -65,6 +65,14 @@ def check_pipeline(cfg: TransformerConfig, ranks: int, schedule: str, microbatch
     if batch_size is not None and batch_size % microbatches:
         raise ValueError(f"batch_size={batch_size} must be divisible by microbatches={microbatches} "
                          f"(every microbatch the same size, so the mean of their losses is the batch's loss)")
+
+
+def bubble_fraction(ranks: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """The share of a step each rank idles, stages taking equal time: (p - 1) / (v M + p - 1).
+
+    GPipe and 1F1B (v = 1): the pipeline fills for p - 1 slots and drains for p - 1, around the M slots
+    of real work. Interleaving v stages per rank makes every slot v times shorter, the fill and drain too."""
+    return (ranks - 1) / (stages_per_rank * microbatches + ranks - 1)
 
 
 def split_layers(n_layer: int, n_stages: int) -> list[range]:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import TransformerConfig
-from ..transformer import TransformerLM
+from ..model.transformer import TransformerLM
 from .pp import split_layers
 
 

@@ -164,10 +164,10 @@ def train(cfg: TrainConfig, model_cfg: TransformerConfig | dict | None = None, *
 
 
 def _check_pipeline_run(cfg: TrainConfig, model_cfg, ckpt: Path | None) -> None:
-    from .parallel.pp import check_pipeline
+    from ..parallel.pp import check_pipeline
 
     if ckpt is not None:  # the model's shape comes from the checkpoint's config.json
-        from .checkpoint import CONFIG_NAME, read_json
+        from ..checkpoint import CONFIG_NAME, read_json
 
         saved = {k: v for k, v in read_json(ckpt / CONFIG_NAME).items() if k != "model_type"}
         model_cfg = TransformerConfig.from_dict({**saved, **(model_cfg or {})})
@@ -297,7 +297,7 @@ def _start(cfg: TrainConfig, model_cfg, ckpt: Path | None, rank: int, world_size
         shard_for_training(model)
     pipeline = None
     if cfg.pipeline_parallel > 1:  # this rank's stages are what it trains (and what its optimizer sees)
-        from .parallel.pp import PipelineTrainer
+        from ..parallel.pp import PipelineTrainer
 
         pipeline = PipelineTrainer(model, cfg.schedule, cfg.microbatches, device)
     amp_dtype = None if pipeline is not None else autocast_dtype(cfg.precision, device)
