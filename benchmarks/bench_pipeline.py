@@ -38,8 +38,8 @@ RANKS = 2
 
 
 def bench_config(args) -> TransformerConfig:
-    return TransformerConfig(vocab_size=96, d_model=args.d_model, n_heads=4, n_layer=4, d_ff=4 * args.d_model,
-                             max_seq_len=args.seq, attn_backend="sdpa")
+    return TransformerConfig(vocab_size=96, d_model=args.pp_d_model, n_heads=4, n_layer=4, d_ff=4 * args.pp_d_model,
+                             max_seq_len=args.pp_seq, attn_backend="sdpa")
 
 
 def formula(schedule: str, microbatches: int, ranks: int = RANKS) -> float:
@@ -76,14 +76,14 @@ class _Held:
 
 
 def time_calls(stage, events: list) -> None:
-    """Wrap this stage's forward_one_chunk and backward_one_chunk to log (kind, stage, start, end)."""
+    """Wrap this stage's forward_one_chunk and backward_one_chunk to log (kind, stage, microbatch, start, end)."""
     for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
         method = getattr(stage, name)
 
-        def timed(*a, _method=method, _kind=kind, **k):
+        def timed(chunk, *a, _method=method, _kind=kind, **k):
             start = time.perf_counter()
-            out = _method(*a, **k)
-            events.append((_kind, stage.stage_index, start, time.perf_counter()))
+            out = _method(chunk, *a, **k)
+            events.append((_kind, stage.stage_index, chunk, start, time.perf_counter()))
             return out
 
         setattr(stage, name, timed)
@@ -95,10 +95,10 @@ def measure_one(args, model: TransformerLM, schedule: str, microbatches: int) ->
     events: list = []
     for stage in trainer.stages:
         time_calls(stage, events)
-    x = torch.randint(model.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(model.config.vocab_size, (args.pp_batch, args.pp_seq), generator=torch.Generator().manual_seed(1))
     trainer.step(x, x)  # warm-up: shape inference, buffers
     steps = []
-    for _ in range(args.repeats):
+    for _ in range(args.pp_repeats):
         model.zero_grad(set_to_none=False)
         events.clear()
         memory = SavedActivations(model.parameters())
@@ -119,7 +119,7 @@ def pp_worker(rank: int, world_size: int, args) -> dict:
     for schedule in SCHEDULES:
         for m in MICROBATCHES:
             try:
-                check_pipeline(model.config, world_size, schedule, m, args.batch)
+                check_pipeline(model.config, world_size, schedule, m, args.pp_batch)
             except ValueError:
                 out[schedule, m] = None
                 continue
@@ -134,9 +134,9 @@ def summarize(ranks: list[dict], key, repeats: int) -> dict | None:
     rows = []
     for step in range(repeats):
         events = [ranks[r][key][step]["events"] for r in range(RANKS)]
-        start = min(e[2] for rank in events for e in rank)
-        span = max(e[3] for rank in events for e in rank) - start
-        idle = [1 - sum(e[3] - e[2] for e in rank) / span for rank in events]
+        start = min(e[3] for rank in events for e in rank)
+        span = max(e[4] for rank in events for e in rank) - start
+        idle = [1 - sum(e[4] - e[3] for e in rank) / span for rank in events]
         rows.append(dict(span=span, idle=idle, start=start, events=events))
     best = sorted(rows, key=lambda r: r["span"])[len(rows) // 2]  # the median step
     return dict(step_s=best["span"], bubble=statistics.mean(best["idle"]), idle=best["idle"], events=best["events"],
@@ -148,7 +148,7 @@ def bench_pipeline(args) -> list[dict]:
     rows = []
     for schedule in SCHEDULES:
         for m in MICROBATCHES:
-            r = summarize(ranks, (schedule, m), args.repeats)
+            r = summarize(ranks, (schedule, m), args.pp_repeats)
             row = dict(schedule=schedule, m=m, formula=formula(schedule, m))
             if r is None:
                 rows.append({**row, "step_s": "refused (M < p)", "bubble": "-", "gap": "-", "idle": "-", "peak": None})
@@ -173,7 +173,8 @@ def memory_rows(rows: list[dict]) -> list[dict]:
 
 
 def plot_timelines(rows: list[dict], m: int, path: Path) -> None:
-    """One panel per schedule: per rank, a box per forward (blue) and backward (orange) call; gaps = bubble."""
+    """One panel per schedule: per rank, a box per forward (blue) and backward (orange) call, labelled with
+    its microbatch (and stage, where a rank holds two); gaps = bubble."""
     from matplotlib.figure import Figure
 
     chosen = [r for r in rows if r["m"] == m and r["peak"] is not None]
@@ -182,15 +183,19 @@ def plot_timelines(rows: list[dict], m: int, path: Path) -> None:
     colours = {"F": "#4c72b0", "B": "#dd8452"}
     for ax, r in zip(axes, chosen, strict=True):
         for rank, events in enumerate(r["events"]):
-            for kind, stage, start, end in events:
+            for kind, stage, chunk, start, end in events:
                 left, width = (start - r["start"]) * 1e3, (end - start) * 1e3
-                ax.broken_barh([(left, width)], (rank - 0.4, 0.8), facecolors=colours[kind], edgecolors="white")
-                ax.text(left + width / 2, rank, f"{kind}{stage}", ha="center", va="center", fontsize=6, color="white")
+                second = stage >= RANKS  # interleaved: this rank's later stage, drawn lighter
+                ax.broken_barh([(left, width)], (rank - 0.4, 0.8), facecolors=colours[kind], edgecolors="white",
+                               alpha=0.6 if second else 1.0)
+                label = f"{kind}{chunk}" + (f"/s{stage}" if r["schedule"] == "interleaved-1f1b" else "")
+                ax.text(left + width / 2, rank, label, ha="center", va="center", fontsize=6, color="black")
         ax.set_yticks(range(RANKS), [f"rank {i}" for i in range(RANKS)])
         ax.invert_yaxis()
         ax.set_title(f"{r['schedule']}, M={m}: measured bubble {r['bubble']:.3f}, formula {r['formula']:.3f}",
                      fontsize=9)
-    axes[-1].set_xlabel("ms since the step's first forward (F = forward, B = backward; number = stage)")
+    axes[-1].set_xlabel("ms since the step's first forward (F = forward, B = backward, then the microbatch; "
+                        "/s = stage)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -206,8 +211,8 @@ def table(rows: list[dict], headers: dict[str, str]) -> str:
 
 
 def run(args) -> None:
-    print(f"pipeline: load before {os.getloadavg()}; d_model {args.d_model}, 4 layers, batch {args.batch} x "
-          f"{args.seq}, {args.threads} thread(s) per rank, median of {args.repeats} steps")
+    print(f"pipeline: load before {os.getloadavg()}; d_model {args.pp_d_model}, 4 layers, batch {args.pp_batch} x "
+          f"{args.pp_seq}, {args.threads} thread(s) per rank, median of {args.pp_repeats} steps")
     rows = bench_pipeline(args)
     print("\n" + table(rows, dict(schedule="schedule", m="M", step_s="step s", bubble="measured bubble",
                                   formula="formula", gap="measured - formula", idle="idle rank 0 / 1")))
@@ -215,15 +220,15 @@ def run(args) -> None:
                                               rank1_mb="rank 1 MB", ratio="x GPipe (rank 0 / 1)")))
     print(f"\npipeline: load after {os.getloadavg()}")
     if args.plot:
-        plot_timelines(rows, args.plot_m, Path("out") / "pp_timeline.png")
+        plot_timelines(rows, args.pp_plot_m, Path("out") / "pp_timeline.png")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pp-d-model", dest="d_model", type=int, default=256, help="pipeline: model width")
-    p.add_argument("--pp-batch", dest="batch", type=int, default=16, help="pipeline: sequences per step (global)")
-    p.add_argument("--pp-seq", dest="seq", type=int, default=128, help="pipeline: tokens per sequence")
-    p.add_argument("--pp-repeats", dest="repeats", type=int, default=3, help="pipeline: measured steps (median)")
-    p.add_argument("--pp-plot-m", dest="plot_m", type=int, default=4, help="pipeline: M of the timeline plot")
+    p.add_argument("--pp-d-model", dest="pp_d_model", type=int, default=256, help="pipeline: model width")
+    p.add_argument("--pp-batch", dest="pp_batch", type=int, default=16, help="pipeline: sequences per step (global)")
+    p.add_argument("--pp-seq", dest="pp_seq", type=int, default=128, help="pipeline: tokens per sequence")
+    p.add_argument("--pp-repeats", dest="pp_repeats", type=int, default=3, help="pipeline: measured steps (median)")
+    p.add_argument("--pp-plot-m", dest="pp_plot_m", type=int, default=4, help="pipeline: M of the timeline plot")
 
 
 if __name__ == "__main__":
