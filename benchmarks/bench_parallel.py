@@ -48,7 +48,7 @@ from mini_transformer.parallel.fsdp import local_bytes, shard_for_training, trai
 from mini_transformer.training.config import TrainConfig
 from mini_transformer.training.loop import make_optimizer
 
-MB = 2**20
+MB = 1e6  # decimal megabytes, as the docs write every size (KB = 1e3 below)
 
 
 def model_config(args) -> TransformerConfig:

@@ -167,7 +167,7 @@ def memory_rows(rows: list[dict]) -> list[dict]:
         if r["peak"] is None:
             continue
         ratios = [p / g for p, g in zip(r["peak"], gpipe[r["m"]], strict=True)]
-        out.append(dict(schedule=r["schedule"], m=r["m"], rank0_mb=r["peak"][0] / 2**20, rank1_mb=r["peak"][1] / 2**20,
+        out.append(dict(schedule=r["schedule"], m=r["m"], rank0_mb=r["peak"][0] / 1e6, rank1_mb=r["peak"][1] / 1e6,
                         ratio=" / ".join(f"{x:.3f}" for x in ratios)))
     return out
 

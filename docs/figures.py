@@ -2,11 +2,18 @@
 tables measured on the pages (so a figure and its table cannot disagree). Rerun after changing either:
 
     apt-get install -y fonts-noto-cjk        # Debian's CJK font; the labels need it
-    uv run python docs/figures.py
+    uv run python docs/figures.py             # every figure
+    uv run python docs/figures.py systems     # only the 06-10 figures (figures_systems.py)
 
 Concept figures: the block with its tensor shapes (01), RoPE turning one pair across positions (02), the
 KV slab with left padding and one decode step (03), the online-softmax rescale across two blocks and the
-tiled schedule of which QK^T blocks are computed, masked or skipped (04).
+tiled schedule of which QK^T blocks are computed, masked or skipped (04); the systems stages' figures
+(06-10: block pool, hash chain, batching timeline, request path, roofline, speculative step, MoE dispatch,
+tensor parallelism, pipeline bubble, PD flow) are in figures_systems.py.
+
+Fonts: the first CJK font matplotlib can find among CJK_FONTS (`fc-list :lang=zh` lists what is
+installed). With none, the script says how to install one and exits without touching docs/img/, rather
+than writing figures whose labels are empty boxes.
 """
 
 from __future__ import annotations
@@ -24,25 +31,37 @@ import numpy as np  # noqa: E402
 from matplotlib import font_manager  # noqa: E402
 from matplotlib.patches import FancyBboxPatch, Patch, Rectangle  # noqa: E402
 
-CJK_FONT = "Noto Sans CJK SC"  # from Debian's fonts-noto-cjk
+CJK_FONTS = ("Noto Sans CJK SC", "Noto Serif CJK SC", "Source Han Sans SC", "WenQuanYi Zen Hei", "AR PL UMing CN")
+CJK_FONT = CJK_FONTS[0]  # set by use_cjk_font() to the one found
 DOCS = Path(__file__).resolve().parent
 IMG = DOCS / "img"
 BLUE, ORANGE, GREY, GREEN, YELLOW = "#4c72b0", "#dd8452", "#bbbbbb", "#55a868", "#f2d16b"
 
 
-def use_cjk_font() -> None:
+def find_cjk_font() -> str | None:
+    """The first of CJK_FONTS that matplotlib can load, or None."""
     for attempt in range(2):
-        try:
-            font_manager.findfont(CJK_FONT, fallback_to_default=False)
-            break
-        except ValueError:
-            if attempt:
-                sys.exit(f"font {CJK_FONT!r} not found: apt-get install -y fonts-noto-cjk, then rerun")
-            # installed after matplotlib cached its font list: add the system's CJK files to it
+        for name in CJK_FONTS:
+            try:
+                font_manager.findfont(name, fallback_to_default=False)
+                return name
+            except ValueError:
+                continue
+        if not attempt:  # installed after matplotlib cached its font list: add the system's CJK files to it
             for path in font_manager.findSystemFonts():
-                if "CJK" in Path(path).name:
+                if "CJK" in Path(path).name or "wqy" in Path(path).name.lower():
                     font_manager.fontManager.addfont(path)
-    plt.rcParams["font.family"] = ["DejaVu Sans", CJK_FONT]  # Latin from DejaVu, the rest from Noto CJK
+    return None
+
+
+def use_cjk_font() -> None:
+    global CJK_FONT
+    found = find_cjk_font()
+    if found is None:
+        sys.exit(f"no CJK font found (tried {', '.join(CJK_FONTS)}; see `fc-list :lang=zh`): "
+                 "apt-get install -y fonts-noto-cjk, then rerun. docs/img/ was left as it is.")
+    CJK_FONT = found
+    plt.rcParams["font.family"] = ["DejaVu Sans", CJK_FONT]  # Latin from DejaVu, the rest from the CJK font
     plt.rcParams["axes.unicode_minus"] = False
 
 
@@ -268,6 +287,12 @@ def load_benchmark(name: str):
     return module
 
 
+def load_benchmark_with_siblings(name: str):
+    """A benchmark that imports its sibling modules (bench_roofline imports decode_roofline)."""
+    sys.path.insert(0, str(DOCS.parent / "benchmarks"))
+    return load_benchmark(name)
+
+
 def redraw_benchmark_figures() -> None:
     """The benchmarks' own plot functions, fed the numbers the pages report."""
     import tempfile
@@ -299,12 +324,24 @@ def redraw_benchmark_figures() -> None:
     load_benchmark("bench_train").plot(runs, [], str(IMG / "05-train-loss.png"))
 
 
+def draw_systems_figures() -> None:
+    import figures_systems
+
+    roofline = page_table("08-decode-speed.md", "| 测得的量")
+    bandwidth, peak = first_number(roofline[0][1]) * 1e9, first_number(roofline[1][1]) * 1e9
+    figures_systems.draw_all(save, (bandwidth, peak), load_benchmark_with_siblings("bench_roofline").step_cost)
+
+
 if __name__ == "__main__":
     use_cjk_font()
     IMG.mkdir(exist_ok=True)
+    if sys.argv[1:] == ["systems"]:  # only the 06-10 figures
+        draw_systems_figures()
+        sys.exit(0)
     block_shapes()
     rope_rotation()
     kv_slab()
     online_softmax()
     tiled_schedule()
     redraw_benchmark_figures()
+    draw_systems_figures()

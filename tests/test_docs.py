@@ -35,6 +35,7 @@ from docs_refs import (
     check_reference,
     defined_names,
     inline_spans,
+    prose,
     references,
     rel,
     repo_files,
@@ -259,3 +260,96 @@ def test_quoted_output_matches_a_fresh_run(page, command, quoted):
     fresh = [line.rstrip() for line in run_cli(argv).splitlines()]
     for line in (q.rstrip() for q in quoted.splitlines()):
         assert not line or line in fresh, f"{page}: {line!r} is not in the output of {command}"
+
+
+# --------------------------------------------------------------------- commands run under uv run
+PROJECT_COMMANDS = ("mini-transformer", "python", "torchrun", "pytest")
+
+
+@pytest.mark.parametrize(("page", "command"), COMMANDS, ids=[f"{p}:{c}" for p, c in COMMANDS])
+def test_commands_run_in_a_fresh_shell(page, command):
+    """In a fresh shell the project's tools are not on PATH: a command that runs project code starts with
+    `uv run` (curl, git, apt-get and the like are the reader's own tools)."""
+    first = shlex.split(command)[0]
+    assert first not in PROJECT_COMMANDS, f"{page}: `{command}` fails in a fresh shell; write `uv run {command}`"
+
+
+# ---------------------------------------------------------------------------- one stage numbering
+def stage_of(page: str) -> str:
+    """docs/06-serving-engine.md -> "6"; docs/02b-modern-block.md -> "2b"."""
+    return re.match(r"docs/0*(\d+[a-z]?)-", page).group(1)
+
+
+STAGE_NUMBERS = {stage_of(p) for p in STAGE_PAGES}
+
+
+@pytest.mark.parametrize("page", STAGE_PAGES)
+def test_a_page_title_carries_its_pages_stage_number(page):
+    title = (ROOT / page).read_text().split("\n", 1)[0]
+    match = re.match(r"# 阶段 (\d+[a-z]?)：", title)
+    assert match, f"{page}: the title must start with '# 阶段 N：', got {title!r}"
+    assert match.group(1) == stage_of(page), f"{page} is stage {stage_of(page)}, its title says {match.group(1)}"
+
+
+@pytest.mark.parametrize("page", [rel(p) for p in PAGES if p.parent.name == "docs"])
+def test_stage_numbers_named_in_prose_exist(page):
+    """'阶段 N', '第 N 阶段' and '第 N 页' name a stage page that exists (06 is stage 6, read in page order)."""
+    text = re.sub(r"`[^`\n]+`", " ", prose((ROOT / page).read_text()))
+    for number in re.findall(r"阶段 (\d+[a-z]?)(?![\d.])|第 (\d+) 阶段|第 (\d+) 页", text):
+        n = next(x for x in number if x)
+        assert n in STAGE_NUMBERS, f"{page} names stage {n}; the stages are {sorted(STAGE_NUMBERS)}"
+
+
+def linked_stage_pages(text: str) -> list[str]:
+    return [stage_of("docs/" + m) for m in re.findall(r"\]\((?:docs/)?(\d\d[a-z]?-[\w-]+\.md)\)", text)]
+
+
+def test_docs_readme_reads_the_stages_in_page_order():
+    text = GLOSSARY_PAGE.read_text()
+    order = linked_stage_pages(text[text.index("## 阅读顺序"):text.index("## 名字对照表")])
+    key = [(int(re.match(r"\d+", n).group()), n) for n in order]
+    assert order and key == sorted(key), f"docs/README.md reads the stages in the order {order}"
+    for row in re.findall(r"^\| \d+ \| \[(\d\d[a-z]?) [^\]]*\]\((\d\d[a-z]?)-", text, re.M):
+        assert row[0] == row[1], f"docs/README.md: the link text {row[0]} names another page ({row[1]})"
+
+
+def test_the_readme_stage_table_uses_the_page_numbers():
+    text = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| (\d+)\. [^|]+\|.*\|\s*(\[.*)\|\s*$", text[text.index("## The stages"):], re.M)
+    assert len(rows) >= 10, "README.md's stage table no longer parses"
+    for stage, docs in rows:
+        linked = linked_stage_pages(docs)
+        assert any(re.match(r"\d+", n).group() == stage for n in linked), \
+            f"README.md: stage {stage} links {linked}; its page must carry the same number"
+
+
+def test_the_roadmap_links_name_their_pages():
+    roadmap = (ROOT / "docs" / "roadmap.md").read_text()
+    for text_number, target in re.findall(r"\[(\d\d[a-z]?)\]\((\d\d[a-z]?)-", roadmap):
+        assert text_number == target, f"docs/roadmap.md: [{text_number}] links page {target}"
+
+
+# ------------------------------------------------------------------------- spacing, serving terms
+@pytest.mark.parametrize("page", [rel(p) for p in PAGES if p.parent.name == "docs"])
+def test_a_space_separates_chinese_from_latin_letters(page):
+    text = re.sub(r"`[^`\n]+`", " ", re.sub(r"<!--.*?-->", "", prose((ROOT / page).read_text()), flags=re.S))
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    glued = re.findall(r".{0,8}(?:[\u4e00-\u9fff][A-Za-z]|[A-Za-z][\u4e00-\u9fff]).{0,8}", text)
+    assert not glued, f"{page}: no space between Chinese and Latin text in {glued[:5]}"
+
+
+SERVING_TERMS = ("块", "块表", "槽", "前缀缓存", "连续批处理", "抢占", "分块 prefill")
+
+
+def test_the_glossary_defines_the_serving_terms():
+    text = GLOSSARY_PAGE.read_text()
+    ours = {row.split("|")[1].strip() for row in re.findall(r"^\|.+\|\s*$", text[text.index("## 术语表"):], re.M)}
+    assert set(SERVING_TERMS) <= ours, f"docs/README.md's glossary lacks {set(SERVING_TERMS) - ours}"
+    assert {"block table", "KV 缓存", "核函数", "KV block"} <= set(avoided_terms())
+
+
+def test_the_checks_catch_what_they_guard():
+    assert stage_of("docs/02b-modern-block.md") == "2b" and stage_of("docs/10-parallelism.md") == "10"
+    glued = re.compile(r"[\u4e00-\u9fff][A-Za-z]")
+    assert glued.findall("融合的kernel") and not glued.findall("融合的 kernel")
+    assert linked_stage_pages("[09 MoE](09-moe.md) [08](08-decode-speed.md)") == ["9", "8"]

@@ -230,8 +230,10 @@ def test_metrics_export_the_histograms_and_counters(served):
     for name in ("mini_transformer_num_requests_running", "mini_transformer_num_requests_waiting",
                  "mini_transformer_kv_blocks_in_use", "mini_transformer_prefix_cache_hit_rate",
                  "mini_transformer_time_to_first_token_seconds_bucket",
-                 "mini_transformer_time_per_output_token_seconds_count", "mini_transformer_generation_tokens_total"):
+                 "mini_transformer_time_per_output_token_seconds_count", "mini_transformer_generation_tokens_total",
+                 "mini_transformer_preemptions_total"):  # a count that only grows: a counter, named _total
         assert name in text
+    assert "# TYPE mini_transformer_preemptions_total counter" in text
     assert metric(served, "mini_transformer_generation_tokens_total") >= 4
     assert served.http.get("/health").json() == {"status": "ok"}
 

@@ -163,6 +163,12 @@ class LLMEngine:
         if any(t >= cfg.vocab_size for t in stops):
             raise InvalidRequest("stop_token_ids", f"stop_token_ids={params.stop_token_ids} must be token ids in "
                                                    f"[0, {cfg.vocab_size})")
+        if params.logit_bias and params.logit_bias[-1][0] >= cfg.vocab_size:  # sorted by token id
+            raise InvalidRequest("logit_bias", f"logit_bias names token {params.logit_bias[-1][0]}; token ids are "
+                                               f"in [0, {cfg.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > cfg.vocab_size:
+                raise InvalidRequest(name, f"{name}={getattr(params, name)} exceeds the vocabulary ({cfg.vocab_size})")
         return prompt, stops
 
     def _prompt_list(self, prompt_token_ids) -> list[int]:
@@ -275,7 +281,11 @@ class LLMEngine:
             self.scheduler.finish(seq)
             del self.requests[seq.request_id]
             self.counters["requests_finished"] += 1
-        return RequestOutput(seq.request_id, [token], seq.is_finished, seq.finish_reason)
+        logprobs = None if seq.params.logprobs is None else (seq.output_logprobs[-1],)
+        prompt_logprobs = None
+        if seq.needs_prompt_logprobs:  # complete by now: the first token needed the whole prompt computed
+            prompt_logprobs, seq.prompt_logprobs_sent = tuple(seq.prompt_logprobs), True
+        return RequestOutput(seq.request_id, [token], seq.is_finished, seq.finish_reason, logprobs, prompt_logprobs)
 
     # ----------------------------------------------------------------------------------- generate
     def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams] | None = None, *,

@@ -99,6 +99,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._state_lock = threading.Lock()
+        self._preemptions_published = 0  # the engine's count already added to the preemptions counter
         self._state: dict = {}
         self._state_time = 0.0
         self._recent_tokens: collections.deque = collections.deque()  # (time, tokens) within RATE_WINDOW_S
@@ -277,7 +278,8 @@ class EngineLoop:
         m.waiting.set(snapshot.num_waiting)
         m.num_blocks.set(snapshot.num_blocks)
         m.blocks_in_use.set(snapshot.blocks_in_use)
-        m.preemptions.set(snapshot.stats["preemptions"])
+        m.preemptions.inc(snapshot.stats["preemptions"] - self._preemptions_published)  # catch up with the engine
+        self._preemptions_published = snapshot.stats["preemptions"]
         m.prefix_hit_rate.set(snapshot.prefix_cache_hit_rate)
         state = engine_state(snapshot, {h.engine_id: h for h in self._active.values()})
         state.update(time=time.time(), tokens_per_s=round(self._tokens_per_s(now), 2),

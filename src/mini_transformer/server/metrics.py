@@ -23,7 +23,8 @@ class ServerMetrics:
         self.prefix_hit_rate = Gauge(
             f"{PREFIX}_prefix_cache_hit_rate",
             "Share of prompt tokens found in the prefix cache (not computed) since start", registry=r)
-        self.preemptions = Gauge(f"{PREFIX}_preemptions", "Requests preempted (recomputed) since start", registry=r)
+        # a count that only grows: a Counter, exported as ..._preemptions_total (Prometheus' convention)
+        self.preemptions = Counter(f"{PREFIX}_preemptions", "Requests preempted (recomputed)", registry=r)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Arrival to first generated token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds",

@@ -1,4 +1,4 @@
-"""Exercise 14 answered with torch.distributed.pipelining's own orders (the schedules parallel/pp.py runs)
+"""Exercise 16 answered with torch.distributed.pipelining's own orders (the schedules parallel/pp.py runs)
 and pp.bubble_fraction; the simulation and the in-flight count are written out here, as the project
 measures them on real runs instead (benchmarks/bench_pipeline.py)."""
 
