@@ -9,11 +9,15 @@ microbatches, one training step of the same global batch on 2 ranks (PipelineTra
     timed (perf_counter, one clock for all processes of the machine); a rank's idle fraction is 1 - its
     busy time / the step's span (first start to last end over both ranks). Compared with the formula
     (p-1)/(M+p-1) for GPipe and 1F1B and (p-1)/(vM+p-1) for the interleaved schedule (v = 2).
+  * the same calls replayed (replayed_bubble): each lasting the CPU time its thread really spent in it, in
+    the recorded order, with the pipeline's dependencies: the bubble of this run on an otherwise idle
+    machine. On a shared machine the wall-clock bubble also counts the time a rank was descheduled.
   * peak activation memory per rank: the bytes of the tensors autograd saves for backward, counted
     while they are alive (torch.autograd.graph.saved_tensors_hooks; parameters are not counted). GPipe
     keeps all M microbatches' activations until its backward phase, 1F1B at most p.
 Stages are balanced (4 equal blocks, a small char vocabulary, so the head costs little), as the formula
-assumes. The warm-up step (shape inference, allocations) is not measured; the median of --repeats is.
+assumes. The warm-up step (shape inference, allocations) is not measured; of --repeats steps the fastest is
+reported: on a shared machine other processes only ever add time, and they add it unevenly to the ranks.
 """
 
 from __future__ import annotations
@@ -76,14 +80,15 @@ class _Held:
 
 
 def time_calls(stage, events: list) -> None:
-    """Wrap this stage's forward_one_chunk and backward_one_chunk to log (kind, stage, microbatch, start, end)."""
+    """Wrap this stage's forward_one_chunk and backward_one_chunk to log (kind, stage, microbatch, start, end,
+    CPU seconds of this thread during the call)."""
     for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
         method = getattr(stage, name)
 
         def timed(chunk, *a, _method=method, _kind=kind, **k):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             out = _method(chunk, *a, **k)
-            events.append((_kind, stage.stage_index, chunk, start, time.perf_counter()))
+            events.append((_kind, stage.stage_index, chunk, start, time.perf_counter(), time.thread_time() - cpu))
             return out
 
         setattr(stage, name, timed)
@@ -127,8 +132,34 @@ def pp_worker(rank: int, world_size: int, args) -> dict:
     return out
 
 
+def replayed_bubble(events: list[list[tuple]], n_stages: int) -> float:
+    """The bubble of the SAME calls, in the same order per rank, each lasting the CPU time it really took,
+    started as soon as its rank is free and its inputs exist (a forward needs the previous stage's forward
+    of its microbatch, a backward its own forward and the next stage's backward): the step as it would run
+    on a machine where nothing else competes for the cores. Mean idle fraction over the ranks."""
+    end, free, busy = {}, [0.0] * len(events), [0.0] * len(events)
+    pending = [sorted(rank, key=lambda e: e[3]) for rank in events]
+    while any(pending):
+        progress = False
+        for r, queue in enumerate(pending):
+            while queue:
+                kind, stage, chunk, *_, cpu = queue[0]
+                needs = [("F", stage - 1, chunk)] if kind == "F" and stage > 0 else []
+                if kind == "B":
+                    needs = [("F", stage, chunk)] + ([("B", stage + 1, chunk)] if stage < n_stages - 1 else [])
+                if any(n not in end for n in needs):
+                    break
+                end[kind, stage, chunk] = free[r] = max([free[r]] + [end[n] for n in needs]) + cpu
+                busy[r] += cpu
+                queue.pop(0)
+                progress = True
+        assert progress, "the recorded orders wait on each other"
+    span = max(end.values())
+    return statistics.mean(1 - b / span for b in busy)
+
+
 def summarize(ranks: list[dict], key, repeats: int) -> dict | None:
-    """The median step (by span) of one schedule and M: span, idle fraction per rank, events."""
+    """The fastest of the --repeats steps of one schedule and M: span, idle fraction per rank, events."""
     if ranks[0][key] is None:
         return None
     rows = []
@@ -137,10 +168,11 @@ def summarize(ranks: list[dict], key, repeats: int) -> dict | None:
         start = min(e[3] for rank in events for e in rank)
         span = max(e[4] for rank in events for e in rank) - start
         idle = [1 - sum(e[4] - e[3] for e in rank) / span for rank in events]
-        rows.append(dict(span=span, idle=idle, start=start, events=events))
-    best = sorted(rows, key=lambda r: r["span"])[len(rows) // 2]  # the median step
+        replayed = replayed_bubble(events, RANKS * STAGES_PER_RANK[key[0]])
+        rows.append(dict(span=span, idle=idle, start=start, events=events, replayed=replayed))
+    best = min(rows, key=lambda r: r["span"])  # the least disturbed step: other processes only ever add time
     return dict(step_s=best["span"], bubble=statistics.mean(best["idle"]), idle=best["idle"], events=best["events"],
-                start=best["start"], peak=[ranks[r][key][0]["peak"] for r in range(RANKS)])
+                start=best["start"], replayed=best["replayed"], peak=[ranks[r][key][0]["peak"] for r in range(RANKS)])
 
 
 def bench_pipeline(args) -> list[dict]:
@@ -151,10 +183,12 @@ def bench_pipeline(args) -> list[dict]:
             r = summarize(ranks, (schedule, m), args.pp_repeats)
             row = dict(schedule=schedule, m=m, formula=formula(schedule, m))
             if r is None:
-                rows.append({**row, "step_s": "refused (M < p)", "bubble": "-", "gap": "-", "idle": "-", "peak": None})
+                rows.append({**row, "step_s": "refused (M < p)", "bubble": "-", "gap": "-", "idle": "-", "peak": None,
+                             "replayed": "-"})
                 continue
             rows.append({**row, "step_s": r["step_s"], "bubble": r["bubble"], "gap": r["bubble"] - row["formula"],
                          "idle": " / ".join(f"{i:.3f}" for i in r["idle"]), "peak": r["peak"],
+                         "replayed": r["replayed"],
                          "events": r["events"], "start": r["start"]})
     return rows
 
@@ -212,10 +246,11 @@ def table(rows: list[dict], headers: dict[str, str]) -> str:
 
 def run(args) -> None:
     print(f"pipeline: load before {os.getloadavg()}; d_model {args.pp_d_model}, 4 layers, batch {args.pp_batch} x "
-          f"{args.pp_seq}, {args.threads} thread(s) per rank, median of {args.pp_repeats} steps")
+          f"{args.pp_seq}, {args.threads} thread(s) per rank, fastest of {args.pp_repeats} steps")
     rows = bench_pipeline(args)
     print("\n" + table(rows, dict(schedule="schedule", m="M", step_s="step s", bubble="measured bubble",
-                                  formula="formula", gap="measured - formula", idle="idle rank 0 / 1")))
+                                  formula="formula", gap="measured - formula", idle="idle rank 0 / 1",
+                                  replayed="replayed on CPU times")))
     print("\n" + table(memory_rows(rows), dict(schedule="schedule", m="M", rank0_mb="peak activations rank 0 MB",
                                               rank1_mb="rank 1 MB", ratio="x GPipe (rank 0 / 1)")))
     print(f"\npipeline: load after {os.getloadavg()}")
@@ -227,7 +262,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp-d-model", dest="pp_d_model", type=int, default=256, help="pipeline: model width")
     p.add_argument("--pp-batch", dest="pp_batch", type=int, default=16, help="pipeline: sequences per step (global)")
     p.add_argument("--pp-seq", dest="pp_seq", type=int, default=128, help="pipeline: tokens per sequence")
-    p.add_argument("--pp-repeats", dest="pp_repeats", type=int, default=3, help="pipeline: measured steps (median)")
+    p.add_argument("--pp-repeats", dest="pp_repeats", type=int, default=5, help="pipeline: steps, fastest reported")
     p.add_argument("--pp-plot-m", dest="pp_plot_m", type=int, default=4, help="pipeline: M of the timeline plot")
 
 
