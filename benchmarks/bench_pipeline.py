@@ -217,7 +217,7 @@ def plot_timelines(rows: list[dict], m: int, path: Path) -> None:
     colours = {"F": "#4c72b0", "B": "#dd8452"}
     for ax, r in zip(axes, chosen, strict=True):
         for rank, events in enumerate(r["events"]):
-            for kind, stage, chunk, start, end in events:
+            for kind, stage, chunk, start, end, _cpu in events:
                 left, width = (start - r["start"]) * 1e3, (end - start) * 1e3
                 second = stage >= RANKS  # interleaved: this rank's later stage, drawn lighter
                 ax.broken_barh([(left, width)], (rank - 0.4, 0.8), facecolors=colours[kind], edgecolors="white",
