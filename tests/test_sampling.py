@@ -79,6 +79,12 @@ def test_top_p_keeps_the_token_that_crosses_p(top_p, expected):
     assert kept(top_p_filter(logits, top_p)) == [expected]
 
 
+def test_a_top_p_that_rounds_to_zero_in_float32_keeps_the_top_token():
+    """5e-324 > 0 is a valid top_p, but 0 as a float32 (schemathesis sent it to the server: a 500)."""
+    logits = logits_of([[0.5, 0.3, 0.15, 0.05]])
+    assert kept(top_p_filter(logits, 5e-324)) == [[0]]
+
+
 def test_top_p_works_per_row_in_any_vocabulary_order():
     logits = logits_of([[0.05, 0.15, 0.3, 0.5], [0.1, 0.7, 0.1, 0.1]])
     assert kept(top_p_filter(logits, 0.6)) == [[2, 3], [1]]

@@ -67,7 +67,7 @@ def _run_sample(args) -> None:
     from ..inference.generate import generate_long
     from ..inference.sampling import SamplingParams
     from ..model.transformer import TransformerLM
-    from ..tokenizer import load_tokenizer
+    from ..tokenizer import check_vocab_size, load_tokenizer
     from ..training.runtime import resolve_device
 
     prompts = _read_prompts(args)
@@ -81,6 +81,7 @@ def _run_sample(args) -> None:
     checkpoint = resolve_checkpoint_dir(args.checkpoint)  # `best` is found even mid-save
     model = _load_sample_model(args, checkpoint, device)  # verifies the manifest first
     tokenizer = load_tokenizer(checkpoint)
+    check_vocab_size(tokenizer, model.config.vocab_size, checkpoint)
     out = sys.stdout
     parallel = [flag for flag, on in (("--tensor-parallel", args.tensor_parallel),
                                       ("--pipeline-parallel", args.pipeline_parallel is not None)) if on]

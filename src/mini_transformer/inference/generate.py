@@ -176,13 +176,17 @@ def generate(
                 stream(next_ids)
             if step == n_new - 1:
                 break
-            if len(stops) and bool(finished.all()):
-                break  # every row has stopped: the loop's one host read, made only when there are stop tokens
+            all_stopped = finished.all() if len(stops) else None  # (), still on the device
             if use_cache:
                 logits = step_fn(model, next_ids, cache)
             else:  # the naive way: the whole sequence again, to read one new row of logits
                 mask = keep[:, :length + 1] if prompt_mask is not None else None
                 logits = model(tokens[:, :length + 1], attention_mask=mask, check=False)[0][:, -1]
+            # The stop test, one step late: read whether every row had stopped only after the next forward
+            # pass is queued, so the device never idles waiting for the host. If they had, that forward's
+            # logits are dropped unsampled: the tokens are the same as testing before it.
+            if all_stopped is not None and bool(all_stopped):
+                break
     finally:
         model.train(was_training)
     new_ids = tokens[:, T:]

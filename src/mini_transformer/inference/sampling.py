@@ -174,7 +174,8 @@ def top_p_cut(sorted_logits: torch.Tensor, top_p: float | torch.Tensor) -> torch
     top_p is kept, and the most likely token always is. top_p: a float or a (B, 1) tensor."""
     probs = torch.softmax(sorted_logits.float(), dim=-1)  # (B, V)
     mass_before = probs.cumsum(dim=-1) - probs  # (B, V): probability of the tokens ranked above
-    n_kept = (mass_before < top_p).sum(dim=-1, keepdim=True)  # (B, 1), >= 1: mass_before[0] = 0
+    # (B, 1); at least the most likely token even for a top_p that rounds to 0 in float32 (5e-324)
+    n_kept = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp_min(1)
     return sorted_logits.gather(-1, n_kept - 1)
 
 

@@ -33,6 +33,7 @@ from .state import engine_state
 STATE_INTERVAL_S = 0.1  # the engine state snapshot is rebuilt at most this often while busy
 RATE_WINDOW_S = 2.0  # tokens/s is measured over this trailing window
 ERROR_PAUSE_S = 0.05  # after an unexpected error: a fault that repeats every turn must not spin a core
+RETRY_AFTER_S = 1  # the Retry-After of a 429, in seconds: in-flight requests free their places quickly
 
 
 @dataclass
@@ -45,6 +46,13 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    logprobs: tuple = ()  # the engine's TokenLogprob per new token, when the request asked for logprobs
+    prompt_logprobs: tuple = ()  # TokenLogprob (None for the first) per prompt token, when asked for
+
+    def then(self, later: StepOutput) -> StepOutput:
+        """This output followed by a later one of the same choice, as one."""
+        return StepOutput(self.new_token_ids + later.new_token_ids, later.finished, later.finish_reason,
+                          self.logprobs + later.logprobs, self.prompt_logprobs + later.prompt_logprobs)
 
 
 @dataclass
@@ -132,7 +140,8 @@ class EngineLoop:
         if self.in_flight + n > self.capacity:
             raise ErrorResponse(
                 429, f"too many requests waiting: {self.in_flight} in flight, room for {self.capacity} "
-                     "(--max-num-seqs running + --max-waiting queued); retry later", code="too_many_requests")
+                     "(--max-num-seqs running + --max-waiting queued); retry later", code="too_many_requests",
+                headers={"Retry-After": str(RETRY_AFTER_S)})
         self.in_flight += n
 
     def release(self, n: int) -> None:
@@ -224,7 +233,8 @@ class EngineLoop:
             if out.finished:
                 del self._active[out.request_id]
                 self._observe_finished(handle, out.finish_reason, now)
-            batch.append((handle, StepOutput(new_ids, out.finished, out.finish_reason)))
+            batch.append((handle, StepOutput(new_ids, out.finished, out.finish_reason, tuple(out.logprobs or ()),
+                                             tuple(out.prompt_logprobs or ()))))
         if batch:  # every handle lives on the server's one event loop
             batch[0][0].loop.call_soon_threadsafe(_put_all, batch)
         self.metrics.generation_tokens.inc(produced)
@@ -272,7 +282,7 @@ class EngineLoop:
         now = time.monotonic()
         if not force and now - self._state_time < STATE_INTERVAL_S:
             return
-        snapshot = self.engine.snapshot()  # frozen, and consistent: taken under the engine's lock
+        snapshot = self.engine.snapshot()  # frozen, and consistent: taken here, on the engine's own thread
         m = self.metrics
         m.running.set(snapshot.num_running)
         m.waiting.set(snapshot.num_waiting)
@@ -281,6 +291,7 @@ class EngineLoop:
         m.preemptions.inc(snapshot.stats["preemptions"] - self._preemptions_published)  # catch up with the engine
         self._preemptions_published = snapshot.stats["preemptions"]
         m.prefix_hit_rate.set(snapshot.prefix_cache_hit_rate)
+        m.observe_kv_store(snapshot.stats)
         state = engine_state(snapshot, {h.engine_id: h for h in self._active.values()})
         state.update(time=time.time(), tokens_per_s=round(self._tokens_per_s(now), 2),
                      tokens_generated=self._tokens_total, stats=dict(snapshot.stats))

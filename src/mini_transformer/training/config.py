@@ -12,19 +12,22 @@ Precision = Literal["auto", "fp32", "bf16", "fp16"]  # auto: bf16/fp16 autocast 
 TokenizerKind = Literal["char", "bpe"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]  # torch.distributed.pipelining's schedules
 PRECISIONS, TOKENIZERS, PIPELINE_SCHEDULES = get_args(Precision), get_args(TokenizerKind), get_args(PipelineSchedule)
+# Tokens per micro-batch when batch_size is left out: nanoGPT's CPU "baby" run cuts 12 sequences of 64. Keeping
+# the tokens (not the sequences) fixed lets a longer context train in about the same time per step.
+BATCH_TOKENS = 768
 
 
 @dataclass
 class TrainConfig(DictIO):
     """Everything about HOW to train (the model's shape lives in TransformerConfig).
 
-    Defaults reproduce nanoGPT's CPU "baby" Shakespeare run.
+    Defaults follow nanoGPT's CPU "baby" Shakespeare run (lr, schedule, 2000 steps, 768 tokens per step).
     """
 
     data: str | None = None  # shakespeare | pydoc | a file path; None = shakespeare, else pydoc
     tokenizer: TokenizerKind = "char"
     bpe_vocab_size: int = 1024  # only for tokenizer="bpe"
-    batch_size: int = 12  # sequences per micro-batch, per rank
+    batch_size: int | None = None  # sequences per micro-batch, per rank; None = BATCH_TOKENS // block_size
     block_size: int | None = None  # tokens per sequence; None = the model's max_seq_len
     grad_accum_steps: int = 1  # micro-batches summed into one update
     max_steps: int = 2000  # optimizer updates
@@ -56,10 +59,10 @@ class TrainConfig(DictIO):
         _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("schedule", self.schedule, PIPELINE_SCHEDULES)
-        for name in ("bpe_vocab_size", "batch_size", "grad_accum_steps", "max_steps", "eval_interval",
+        for name in ("bpe_vocab_size", "grad_accum_steps", "max_steps", "eval_interval",
                      "eval_batches", "sample_tokens", "pipeline_parallel", "microbatches"):
             _check_positive_int(name, getattr(self, name))
-        for name in ("block_size", "lr_decay_steps"):
+        for name in ("batch_size", "block_size", "lr_decay_steps"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         for name in ("num_samples", "seed", "warmup_steps"):
@@ -89,7 +92,6 @@ class TrainConfig(DictIO):
         for name in ("device", "out_dir"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a string")
-
         if self.pipeline_parallel > 1:
             self._check_pipeline()
 
@@ -101,9 +103,13 @@ class TrainConfig(DictIO):
             if given:
                 raise ValueError(f"pipeline_parallel={self.pipeline_parallel} does not go with {name}: the pipeline "
                                  f"trains in fp32, and its microbatches already are the gradient accumulation")
-        if self.batch_size % self.microbatches:
+        if self.batch_size is not None and self.batch_size % self.microbatches:
             raise ValueError(f"batch_size={self.batch_size} must be divisible by microbatches={self.microbatches} "
                              f"(equal microbatches: the mean of their losses is the batch's loss)")
+
+    def sequences_per_batch(self, block_size: int) -> int:
+        """batch_size, or as many sequences of `block_size` as fill BATCH_TOKENS (3 at 256, 12 at 64)."""
+        return self.batch_size if self.batch_size is not None else max(1, BATCH_TOKENS // block_size)
 
     @property
     def decay_steps(self) -> int:

@@ -101,7 +101,7 @@ def load_text(source: str | os.PathLike | None = None) -> tuple[str, str]:
                          f"{err.start}); convert it to UTF-8 first") from None
     if not text:
         raise ValueError(f"data={str(source)!r} is an empty file")
-    return text, str(path)
+    return text, str(path.resolve())  # the name a resumed run reads it by, from any working directory
 
 
 def split_tokens(ids: torch.Tensor, block_size: int, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
