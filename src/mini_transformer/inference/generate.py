@@ -148,7 +148,7 @@ def generate(
         if use_cache:
             dtype = model.tok_emb.weight.dtype
             if compile:  # fixed shapes: every decode step runs the same compiled graph
-                from .static_cache import compiled_decode_step, decode_cache, static_length
+                from .static_cache import compiled_decode_step, decode_cache, static_length, step_without_guards
 
                 max_len = static_length(T + n_new, model.config.max_seq_len)
                 cache = decode_cache(model.config, B, max_len, dtype=dtype, device=device)
@@ -172,7 +172,9 @@ def generate(
                 break
             if len(stops) and bool(finished.all()):
                 break  # every row has stopped: the loop's one host read, made only when there are stop tokens
-            if use_cache:
+            if use_cache and compile and step > 0:
+                logits = step_without_guards(step_fn, model, next_ids, cache)
+            elif use_cache:
                 logits = step_fn(model, next_ids, cache)
             else:  # the naive way: the whole sequence again, to read one new row of logits
                 mask = keep[:, :length + 1] if prompt_mask is not None else None
