@@ -1,4 +1,4 @@
-"""The matrix-vector products of a quantized decode step: int4 or int8 weights x int8 activations.
+"""The 4-bit matrix-vector product of a decode step: int4 weights x int8 activations, integer dot products.
 
 A decode step multiplies a few activation rows x (M, K) by every weight matrix. With 4-bit weights the
 time is set by how fast the packed bytes stream in, so the product must use each byte where it lands in
@@ -21,10 +21,9 @@ Two implementations of exactly this arithmetic (tests check them against each ot
     2j+1 (high), so the activations are reordered instead, evens then odds within each 64 (or 32).
 It is registered as the operator `mt_gemv::int4`, so a compiled decode step calls it like any aten op.
 
-int8 weights (per output channel scale s[n]) take the same road, `mt_gemv::int8` / `int8_gemv_reference`:
-    y[n] = s[n] * sum_g dx[g] * sum_{k in g} q[n, k] * xq[k]
-`vpdpbusd` multiplies unsigned by signed bytes, so the activation codes go in as xq + 128 (in [1, 255]) and
-128 * sum_{k in g} q[n, k] (precomputed per group, `weight_sums`) is taken off again.
+int8 weights do NOT go this way: measured over 36 768 x 2048 matrices (56.6 MB, 1 thread) the same
+VNNI loop for int8 x int8 ran at the speed of inductor's fused int8 -> float reduction (~19 GB/s both, the
+memory bound here), and it would add activation rounding; int8 keeps the compiled reduction (quantize.py).
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <utility>
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define MT_VNNI 1
@@ -56,9 +56,7 @@ static void quantize_row(const float* x, int64_t K, int64_t group, int64_t chunk
     float d = amax / 127.f;
     dx[g] = d;
     xsum[g] = s;
-    for (int64_t k = 0; chunk == 1 && k < group; ++k)  // natural order (the int8 kernel)
-      xq[g * group + k] = d == 0.f ? 0 : (int8_t)std::nearbyint(xg[k] / d);
-    for (int64_t c = 0; chunk > 1 && c < group; c += chunk) {
+    for (int64_t c = 0; c < group; c += chunk) {
       int8_t* out = xq + g * group + c;
       for (int64_t j = 0; j < chunk / 2; ++j) {
         float even = xg[c + 2 * j], odd = xg[c + 2 * j + 1];
@@ -86,8 +84,7 @@ static float row_dot(const uint8_t* w, const float* scale, const float* low, con
 #ifdef MT_VNNI
   if (chunk == 64) {
     const __m256i mask = _mm256_set1_epi8(15);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
+    auto group_sum = [&](int64_t g) {  // (16,) float partial sums of scale * dx * q . xq over group g
       __m512i dot = _mm512_setzero_si512();
       for (int64_t c = 0; c < group / 2; c += 32) {
         __m256i b = _mm256_loadu_si256((const __m256i*)(w + g * group / 2 + c));  // 64 inputs, 4 bits each
@@ -95,10 +92,23 @@ static float row_dot(const uint8_t* w, const float* scale, const float* low, con
         __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // evens, then odds
         dot = _mm512_dpbusd_epi32(dot, q, _mm512_loadu_si512((const void*)(xq + g * group + 2 * c)));
       }
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(scale[g] * dx[g]), acc);
-      y += low[g] * xsum[g];
+      return std::make_pair(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(scale[g] * dx[g]));
+    };
+    // two accumulators, even and odd groups: through one, each group waited for the previous fma
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 1 < G; g += 2) {
+      auto [d0, s0] = group_sum(g);
+      auto [d1, s1] = group_sum(g + 1);
+      acc0 = _mm512_fmadd_ps(d0, s0, acc0);
+      acc1 = _mm512_fmadd_ps(d1, s1, acc1);
     }
-    return y + _mm512_reduce_add_ps(acc);
+    if (g < G) {
+      auto [d0, s0] = group_sum(g);
+      acc0 = _mm512_fmadd_ps(d0, s0, acc0);
+    }
+    for (int64_t k = 0; k < G; ++k) y += low[k] * xsum[k];
+    return y + _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
   }
 #endif
   for (int64_t g = 0; g < G; ++g) {
@@ -134,68 +144,11 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, t
   return y;
 }
 
-// int8 weights (N, K) x int8 activations per group of `group` inputs (natural order). vpdpbusd wants one
-// unsigned operand: the activations go in as xq + 128, and 128 * (the weights' sum over the group) comes off.
-static float row_dot_int8(const int8_t* w, const uint8_t* xu, const float* dx, const int32_t* wsum, int64_t G,
-                          int64_t group) {
-  float y = 0.f, correction = 0.f;
-  int64_t g = 0;
-#ifdef MT_VNNI
-  if (group % 64 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (; g < G; ++g) {
-      __m512i dot = _mm512_setzero_si512();
-      for (int64_t c = 0; c < group; c += 64)
-        dot = _mm512_dpbusd_epi32(dot, _mm512_loadu_si512((const void*)(xu + g * group + c)),
-                                  _mm512_loadu_si512((const void*)(w + g * group + c)));
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(dx[g]), acc);
-      correction += dx[g] * (float)wsum[g];
-    }
-    y = _mm512_reduce_add_ps(acc);
-  }
-#endif
-  for (; g < G; ++g) {
-    int32_t dot = 0;
-    for (int64_t k = 0; k < group; ++k) dot += (int32_t)xu[g * group + k] * w[g * group + k];
-    y += dx[g] * (float)dot;
-    correction += dx[g] * (float)wsum[g];
-  }
-  return y - 128.f * correction;
-}
-
-// x (M, K) float32, w (N, K) int8, scale (N,) float32, wsum (N, G) int32 -> y (M, N) float32
-torch::Tensor gemv_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor wsum, int64_t group) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kInt8 && scale.dtype() == torch::kFloat32
-              && wsum.dtype() == torch::kInt32, "mt_gemv::int8: float32 x, scale; int8 w; int32 wsum");
-  x = x.contiguous(), w = w.contiguous(), scale = scale.contiguous(), wsum = wsum.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), G = K / group;
-  auto y = torch::empty({M, N}, x.options());
-  std::vector<int8_t> xq(M * K);
-  std::vector<uint8_t> xu(M * K);
-  std::vector<float> dx(M * G), xsum(M * G);
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row(x.data_ptr<float>() + m * K, K, group, 1, xq.data() + m * K, dx.data() + m * G,
-                 xsum.data() + m * G);
-  for (int64_t i = 0; i < M * K; ++i) xu[i] = (uint8_t)(xq[i] + 128);
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* s = scale.data_ptr<float>();
-  const int32_t* ws = wsum.data_ptr<int32_t>();
-  float* out = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t m = 0; m < M; ++m)
-        out[m * N + n] = s[n] * row_dot_int8(wp + n * K, xu.data() + m * K, dx.data() + m * G, ws + n * G, G, group);
-  });
-  return y;
-}
-
 TORCH_LIBRARY(mt_gemv, m) {
   m.def("int4(Tensor x, Tensor packed, Tensor scale, Tensor low, int group_size) -> Tensor");
-  m.def("int8(Tensor x, Tensor weight, Tensor scale, Tensor weight_sums, int group_size) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(mt_gemv, CPU, m) {
   m.impl("int4", &gemv);
-  m.impl("int8", &gemv_int8);
 }
 """
 
@@ -249,21 +202,8 @@ def kernel_available() -> bool:
                       stacklevel=2)
         return False
     torch.library.register_fake("mt_gemv::int4")(_gemv_shape)
-    torch.library.register_fake("mt_gemv::int8")(_gemv_shape)
     return True
 
 
 def _gemv_shape(x, weight, scale, other, group_size):
     return x.new_empty(x.shape[0], weight.shape[0])
-
-
-def int8_gemv_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    """x (M, K) float32, weight (N, K) int8, scale (N,) -> (M, N): gemv_int8's arithmetic in PyTorch, the
-    activations rounded to int8 per group of `group_size` (exact integer dot products, as above)."""
-    M, K = x.shape
-    G = K // group_size
-    xg = x.view(M, G, group_size)
-    dx = xg.abs().amax(dim=-1) / 127  # (M, G)
-    xq = torch.where(dx[..., None] == 0, 0.0, torch.round(xg / dx[..., None]))  # (M, G, group)
-    dot = torch.einsum("mgk,ngk->mng", xq, weight.view(-1, G, group_size).float())  # (M, N, G) exact
-    return (dot * dx[:, None]).sum(dim=-1) * scale

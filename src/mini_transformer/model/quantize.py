@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .gemv_kernels import int4_gemv_reference, int8_gemv_reference, kernel_available, kernel_groups_ok
+from .gemv_kernels import int4_gemv_reference, kernel_available, kernel_groups_ok
 
 MODES = ("int8", "int4")
 FUSED_MAX_ROWS = 8  # a compiled step with at most this many rows (batch x tokens) uses the fused reduction
