@@ -166,14 +166,19 @@ def _one_row_addmm(bias, mat1, mat2, beta=1, alpha=1):
     (a bf16 sum of 768 terms would keep only ~3 significant digits); only the (1, N) result is rounded."""
     if mat1.shape[0] != 1 or beta != 1 or alpha != 1 or mat1.dtype not in FLOAT_DTYPES:
         return NotImplemented
-    return (_one_row_mm(mat1, mat2).float() + bias.float()).to(mat1.dtype)  # rounded once, as aten's addmm
+    wide = torch.float64 if mat1.dtype == torch.float64 else torch.float32
+    return (_one_row_sum(mat1, mat2, wide) + bias.to(wide)).to(mat1.dtype)  # rounded once, as aten's addmm
 
 
 def _one_row_mm(mat1, mat2):
     if mat1.shape[0] != 1 or mat1.dtype not in FLOAT_DTYPES:
         return NotImplemented
     wide = torch.float64 if mat1.dtype == torch.float64 else torch.float32
-    return (mat1[:, :, None].to(wide) * mat2[None].to(wide)).sum(dim=1).to(mat1.dtype)  # (1, K, N) -> (1, N)
+    return _one_row_sum(mat1, mat2, wide).to(mat1.dtype)
+
+
+def _one_row_sum(mat1, mat2, wide: torch.dtype):
+    return (mat1[:, :, None].to(wide) * mat2[None].to(wide)).sum(dim=1)  # (1, K, N) -> (1, N), summed in `wide`
 
 
 def _one_query_attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
@@ -254,8 +259,8 @@ def compiled_decode_step(device: torch.device | str) -> Callable:
 def step_without_guards(step: Callable, model, token: torch.Tensor, cache: StaticCache) -> torch.Tensor:
     """The compiled step, skipping dynamo's guard checks (all but those that tell its graphs apart).
 
-    Every call checks ~200 guards (each weight and slab's dtype, shape, strides; the modules' attributes)
-    before it runs the graph. Inside one generate() call they cannot fail from the second step on: the
+    Every call first checks dynamo's guards (each weight and slab's dtype, shape and strides, the modules'
+    attributes) and looks the graph up. Inside one generate() call they cannot fail from the second step on: the
     same model and cache objects come back with new values only, and the first step checked them all.
     So generate() runs steps 2, 3, ... this way; only this call is affected (a stream callback or user
     code between steps keeps its guards)."""
