@@ -16,11 +16,18 @@ on vs off, and time to first token of one more request with the prefix cached (w
     python benchmarks/bench_serving.py                              # the full run (minutes on 2 cores)
     python benchmarks/bench_serving.py --quick                      # a quick look (16 requests of 16-64 tokens)
     python benchmarks/bench_serving.py --plot pool.png              # the block pool over time
+    python benchmarks/bench_serving.py --sampled                    # + sampled vs greedy engine, profiled
+
+--sampled adds a sampled workload (issue 21): the same requests through the engine greedy and sampled
+(temperature 0.8, top-p 0.95, every other request with repetition penalty 1.1), alternating greedy,
+sampled, greedy, sampled; the table gives the sampled/greedy tokens/s ratio, then a torch.profiler table
+of a few sampled decode steps with the share of time inside the batched sampler (engine/sampler.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import statistics
@@ -53,6 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--plot", metavar="PNG", help="draw the block pool over time to this PNG")
+    p.add_argument("--sampled", action="store_true", help="also: sampled vs greedy engine tokens/s, and a profile")
+    p.add_argument("--vocab-size", type=int, help="the model's vocabulary (default: the llama-style preset's 256)")
+    p.add_argument("--rounds", type=int, default=2, help="--sampled: greedy/sampled runs, alternating")
     p.add_argument("--quick", action="store_true",
                    help="a small run (16 requests of 16-64 tokens, 8 prefix requests on a 64-token prefix)")
     args = p.parse_args(argv)
@@ -62,8 +72,9 @@ def parse_args(argv=None):
 
 
 def build_model(args) -> TransformerLM:
-    cfg = TransformerConfig.from_preset(
-        "llama-style", max_seq_len=max(2 * args.max_len, args.prefix_len + args.suffix_len + args.prefix_output))
+    vocab = {} if args.vocab_size is None else dict(vocab_size=args.vocab_size)
+    max_seq_len = max(2 * args.max_len, args.prefix_len + args.suffix_len + args.prefix_output)
+    cfg = TransformerConfig.from_preset("llama-style", max_seq_len=max_seq_len, **vocab)
     torch.manual_seed(args.seed)
     return TransformerLM(cfg).to(args.device).eval()
 
@@ -172,6 +183,68 @@ def main_workload(model, args, counter):
     return record
 
 
+def sampled_params(out_lens):
+    """Temperature 0.8, top-p 0.95; every other request also repetition penalty 1.1."""
+    return [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8, top_p=0.95,
+                           repetition_penalty=1.1 if i % 2 else None) for i, n in enumerate(out_lens)]
+
+
+def sampled_workload(model, args):
+    """The engine on the main workload's requests, greedy vs sampled, alternating; then a profile."""
+    rng = random.Random(args.seed)
+    vocab = model.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
+               for _ in range(args.requests)]
+    out_lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.requests)]
+    ways = {"greedy": [SamplingParams(max_tokens=n, ignore_eos=True) for n in out_lens],
+            "sampled": sampled_params(out_lens)}
+    seconds = {name: [] for name in ways}
+    for _ in range(args.rounds):
+        for name, params in ways.items():
+            seconds[name].append(timed(lambda p=params, n=name: run_engine(model, prompts, p, args, desc=n))[1])
+    n_tokens = sum(out_lens)
+    greedy = min(seconds["greedy"])
+    print(f"\nsampled workload: {args.requests} requests, {n_tokens} output tokens; sampled = temperature 0.8, "
+          f"top-p 0.95, half with repetition penalty 1.1; {args.rounds} alternating runs each, best shown; "
+          f"uptime load {os.getloadavg()[0]:.2f}\n")
+    print("| engine | seconds (each run) | output tok/s (best) | × greedy |")
+    print("|---|---|---:|---:|")
+    for name, secs in seconds.items():
+        runs = ", ".join(f"{t:.1f}" for t in secs)
+        print(f"| {name} | {runs} | {n_tokens / min(secs):.1f} | {greedy / min(secs):.2f}× |")
+    profile_sampled_steps(model, prompts, ways["sampled"], args)
+
+
+def profile_sampled_steps(model, prompts, params, args, steps=8):
+    """torch.profiler over a few decode steps of a full batch of sampled requests: the sampler's share."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
+    sampler = engine.runner.sampler
+    plain_sample = sampler.sample
+
+    def sample(*a, **kw):
+        with record_function("batched sampler"):
+            return plain_sample(*a, **kw)
+
+    sampler.sample = sample
+    n = min(len(prompts), args.max_num_seqs)
+    for prompt, p in zip(prompts[:n], params[:n], strict=True):
+        engine.add_request(prompt, dataclasses.replace(p, max_tokens=max(p.max_tokens, 2 * steps)))
+    while engine.stats()["prefill_tokens_computed"] < sum(map(len, prompts[:n])):
+        engine.step()  # every prompt in: the profiled steps are decode steps of n sequences
+    with profile(activities=[ProfilerActivity.CPU]) as prof, record_function("engine step"):
+        for _ in range(steps):
+            engine.step()
+    events = {e.key: e for e in prof.key_averages()}
+    total, sampler_time = events["engine step"].cpu_time_total, events["batched sampler"].cpu_time_total
+    print(f"\nprofile of {steps} decode steps of {n} sampled sequences: the batched sampler is "
+          f"{100 * sampler_time / total:.1f}% of the step time ({sampler_time / steps / 1000:.2f} ms of "
+          f"{total / steps / 1000:.2f} ms per step); top ops by self CPU time:\n")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
 def ttft(model, args, prompt, caching: bool, warm_prompt=None) -> float:
     """Seconds from add_request to the first token of `prompt`, after `warm_prompt` was served (if any)."""
     engine = LLMEngine(model, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -246,6 +319,8 @@ def main(argv=None):
     counter = ForwardCounter(model)
     with torch.inference_mode():
         main_record = main_workload(model, args, counter)
+        if args.sampled:
+            sampled_workload(model, args)
         prefix_record = prefix_workload(model, args)
     if args.plot:
         plot(args.plot, main_record, prefix_record, args)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from exercise_solutions.broken import BROKEN
 from exercise_solutions.broken_engine import BROKEN_ENGINE
+from exercise_solutions.broken_kv_store import BROKEN_KV_STORE
 from exercise_solutions.broken_stages import BROKEN_STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +65,8 @@ def test_grader_fails_on_the_blank(name, tmp_path):
             check(blank)
 
 
-BROKEN = {**BROKEN, **BROKEN_STAGES, **BROKEN_ENGINE}  # 11-13 (docs/07, 08, 10) and 14-15 (docs/06) apart
+# apart: 11-13 (docs/07, 08, 10), 14-15 (docs/06), 16 (docs/11)
+BROKEN = {**BROKEN, **BROKEN_STAGES, **BROKEN_ENGINE, **BROKEN_KV_STORE}
 CASES = [(name, label) for name, variants in BROKEN.items() for label in variants]
 
 

@@ -14,6 +14,7 @@ from mini_transformer.inference.sampling import (
     draw_from_probs,
     filtered_logits,
     min_p_filter,
+    penalised_logits,
     sample_next,
     top_k_filter,
     top_p_filter,
@@ -224,6 +225,54 @@ def test_repetition_penalty_changes_the_greedy_choice():
     assert sample_next(logits, SamplingParams()).tolist() == [0]
     previous = torch.tensor([[0]])
     assert sample_next(logits, SamplingParams(repetition_penalty=2.0), previous_ids=previous).tolist() == [1]
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    """OpenAI: logit -= presence * (count > 0) + frequency * count, count over the output; the prompt's
+    tokens are not penalised (unlike repetition_penalty)."""
+    logits = torch.tensor([[1.0, 2.0, 3.0, -1.0, 0.5]])
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = penalised_logits(logits, params, previous_ids=torch.tensor([[4, 4, 1, 1, 1, 3]]),
+                           output_ids=torch.tensor([[1, 1, 1, 3]]))
+    torch.testing.assert_close(out, torch.tensor([[1.0, 2.0 - 0.5 - 0.75, 3.0, -1.0 - 0.5 - 0.25, 0.5]]))
+
+
+def test_logit_bias_and_min_tokens():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    biased = penalised_logits(logits, SamplingParams(logit_bias={0: 5.0, 2: -100}))
+    torch.testing.assert_close(biased, torch.tensor([[6.0, 2.0, -97.0]]))
+    params = SamplingParams(min_tokens=2, max_tokens=4)
+    for generated, expected in ((0, 1), (1, 1), (2, 2)):  # the stop id 2 is banned until 2 tokens are out
+        output = torch.zeros(1, generated, dtype=torch.long)
+        assert sample_next(logits, params, output_ids=output, stop_ids=(2,)).item() == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(presence_penalty=2.5), ValueError, r"presence_penalty=2.5 must be in \[-2, 2\]"),
+        (dict(frequency_penalty=float("nan")), ValueError, "frequency_penalty=nan"),
+        (dict(frequency_penalty=None), TypeError, "frequency_penalty=None must be a number"),
+        (dict(logit_bias={1: 101.0}), ValueError, r"logit_bias\[1\]=101.0 must be in \[-100, 100\]"),
+        (dict(logit_bias={-1: 1.0}), ValueError, "logit_bias token id=-1"),
+        (dict(logit_bias={"5": 1.0}), TypeError, "logit_bias token id='5' must be an int"),
+        (dict(logit_bias=[(1, 1.0), (1, 2.0)]), ValueError, "names a token id twice"),
+        (dict(logit_bias="x"), TypeError, "logit_bias='x'"),
+        (dict(min_tokens=5, max_tokens=4), ValueError, "min_tokens=5 must be <= max_tokens=4"),
+        (dict(min_tokens=-1), ValueError, "min_tokens=-1 must be >= 0"),
+        (dict(logprobs=-1), ValueError, "logprobs=-1"),
+        (dict(prompt_logprobs=1.0), TypeError, "prompt_logprobs=1.0 must be an int"),
+    ],
+)
+def test_bad_new_parameters_raise(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_is_kept_as_sorted_pairs_so_params_stay_hashable():
+    params = SamplingParams(logit_bias={7: 1, 2: -3.5})
+    assert params.logit_bias == ((2, -3.5), (7, 1.0))
+    assert hash(params) == hash(SamplingParams(logit_bias={2: -3.5, 7: 1}))
 
 
 @pytest.mark.parametrize(

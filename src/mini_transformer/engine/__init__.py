@@ -5,20 +5,27 @@ vLLM's names, one small file each:
   block_manager.py  BlockManager: the block pool, reference counts, the prefix cache (hash chain, LRU)
   scheduler.py      Scheduler: FCFS under a token budget, prefill chunks and decode tokens in one step
   model_runner.py   ModelRunner: the KV pool tensor and one packed forward pass through the same model
+  sampler.py        Sampler: every row's next token in one batched pass (per-row parameters, device-side
+                    token counts for the penalties), logprobs and prompt logprobs, one host read a step
   llm_engine.py     LLMEngine: add_request / step / abort / generate / stats / snapshot
   snapshot.py       EngineSnapshot: a frozen picture of the queues and the pool, for a server
   handoff.py        KVHandoff: a prefilled request moved to another engine (prefill/decode disaggregation)
+  kv_connector.py   KVConnector: full blocks kept behind the pool and shared by replicas (lookup, load, save)
+  kv_tiers.py       HostTier (an LRU in host memory), RedisTier (a Redis server): where those blocks live
 """
 
 from ..inference.sampling import SamplingParams
 from .block_manager import BlockManager
 from .handoff import KVHandoff
+from .kv_connector import KVConnector
+from .kv_tiers import HostTier, RedisTier
 from .llm_engine import InvalidRequest, LLMEngine
 from .model_runner import ModelRunner, PagedBatch
+from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import RequestOutput, Sequence, SequenceStatus
+from .sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
 from .snapshot import EngineSnapshot, RequestSnapshot
 
-__all__ = ["BlockManager", "EngineSnapshot", "InvalidRequest", "KVHandoff", "LLMEngine", "ModelRunner", "PagedBatch",
-           "RequestOutput", "RequestSnapshot", "SamplingParams", "Scheduler", "SchedulerOutput", "Sequence",
-           "SequenceStatus"]
+__all__ = ["BlockManager", "EngineSnapshot", "HostTier", "InvalidRequest", "KVConnector", "KVHandoff", "LLMEngine",
+           "ModelRunner", "PagedBatch", "RedisTier", "RequestOutput", "RequestSnapshot", "Sampler", "SamplingParams",
+           "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus", "TokenLogprob"]

@@ -99,8 +99,9 @@ class BlockManager:
     def find_cached_blocks(self, seq: Sequence) -> list[int]:
         """The longest run of seq's leading full blocks already in the pool. Only blocks inside the first
         num_tokens - 1 tokens count, so a fully cached prompt still computes (at least) its last token:
-        the step needs that token's logits."""
-        if not self.enable_prefix_caching:
+        the step needs that token's logits. A request that still needs its prompt logprobs finds nothing
+        (as in vLLM): the cache holds K/V, not the logits of the prompt rows."""
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         bs, tokens = self.block_size, seq.tokens
         hits: list[int] = []

@@ -75,6 +75,9 @@ def check_handoff(engine, handoff: KVHandoff, params: SamplingParams) -> tuple[l
     if not isinstance(handoff, KVHandoff):
         raise TypeError(f"kv_handoff must be a KVHandoff, got {type(handoff).__name__}")
     prompt, stops = engine.check_request(handoff.prompt_token_ids, params)
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        raise ValueError("logprobs / prompt_logprobs: a KVHandoff does not carry the prefill engine's "
+                         "logprobs, so the decoding engine cannot return them complete")
     if handoff.finished:
         raise ValueError("kv_handoff.finished is True: the request ended at its first token, nothing to decode")
     cfg, runner, kv = engine.config, engine.runner, handoff.kv

@@ -16,8 +16,8 @@ import torch
 
 from ..attention.paged import BLOCK_TABLE, GATHERED, PagedAttentionMetadata, paged_attention, write_kv
 from ..config import TransformerConfig
-from ..inference.sampling import sample_next
 from ..model.transformer import Attend, TransformerLM
+from .sampler import PromptLogprobs, Sampler, read_back
 from .sequence import Sequence
 
 
@@ -73,6 +73,7 @@ class ModelRunner:
         self.device, self.dtype = weight.device, weight.dtype
         shape = (2, cfg.n_layer, num_blocks * block_size, cfg.n_kv_heads, cfg.d_head)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.sampler = Sampler(cfg.vocab_size, self.device)
 
     def slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
         """(num_tokens,) the pool slots of a sequence's tokens 0 .. num_tokens-1, on the pool's device."""
@@ -92,7 +93,8 @@ class ModelRunner:
     def execute_model(self, scheduled: list[tuple[Sequence, int]]) -> list[int | None]:
         """One forward pass for the scheduled (sequence, num_new_tokens) pairs. Returns, per pair, the
         sampled next token, or None when the chunk does not reach the sequence's last token (its prefill
-        goes on next step). The sampled ids are read back to the host once, together."""
+        goes on next step). The sampled ids (and the logprobs asked for) are read back to the host once,
+        together; logprobs go onto their sequences (engine/sampler.py)."""
         input_ids: list[int] = []
         positions: list[int] = []
         last_rows: list[int] = []  # row of the packed batch whose logits pick each sampling sequence's token
@@ -112,23 +114,12 @@ class ModelRunner:
         )
         idx = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # (1, N)
         batch = PagedBatch(self.kv_cache, torch.tensor([positions], device=self.device), meta)
-        rows = torch.tensor(last_rows, dtype=torch.long, device=idx.device)
-        logits, _ = self.model(idx, cache=batch, logits_at=rows, check=False)  # (1, M, V): sampled rows only
-        next_ids = self.sample(logits[0], samplers).tolist() if samplers else []  # the one host read
-        tokens = iter(next_ids)
+        prompt = PromptLogprobs.of(scheduled)  # prompt rows get the head only when a request asks for them
+        rows = torch.tensor(last_rows + prompt.rows, dtype=torch.long, device=idx.device)
+        logits, _ = self.model(idx, cache=batch, logits_at=rows, check=False)  # (1, M + R, V): those rows only
+        M = len(last_rows)
+        out = self.sampler.sample(logits[0, :M], samplers) if samplers else None
+        if prompt.rows:
+            prompt.compute(logits[0, M:])
+        tokens = iter(read_back(out, samplers, prompt))  # the one host read
         return [next(tokens) if sampled else None for sampled in samples]
-
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """(M, V) logits -> (M,) ids. Plain greedy rows share one argmax; every other row samples on its
-        own with its sequence's generator, so its draws do not depend on what else is in the batch."""
-        next_ids = logits.float().argmax(dim=-1)  # (M,)
-        for row, seq in enumerate(seqs):
-            params = seq.params
-            if params.greedy and not params.repetition_penalty:
-                continue
-            previous = None  # the tokens so far matter only to the repetition penalty
-            if params.repetition_penalty:
-                previous = torch.tensor([seq.tokens], dtype=torch.long, device=self.device)  # (1, T)
-            next_ids[row] = sample_next(logits[row:row + 1], params, previous_ids=previous,
-                                        generator=seq.generator)[0]
-        return next_ids

@@ -25,15 +25,31 @@ class SequenceStatus(enum.Enum):
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the RAW model distribution (log_softmax of the logits, before
+    penalties, logit_bias or temperature: vLLM's default), and the `top` N most likely tokens at that
+    position as (token id, logprob), most likely first (N = SamplingParams.logprobs / prompt_logprobs)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request: the token(s) it added, and whether it is done.
     finish_reason: None while running, "stop" (a stop or EOS token), "length" (max_tokens), "abort", or
-    "error" (the step's forward pass raised; see LLMEngine.step)."""
+    "error" (the step's forward pass raised; see LLMEngine.step).
+    logprobs: one TokenLogprob per new token when SamplingParams.logprobs is set, else None.
+    prompt_logprobs: one per prompt token (the first is None: nothing predicts it) when
+    SamplingParams.prompt_logprobs is set, delivered once, with the request's first output; else None."""
 
     request_id: str
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class Sequence:
@@ -52,6 +68,16 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at the last admission
         self.generator = params.make_generator(device)  # its own random stream: batch-independent
+        # filled by the engine's sampler (engine/sampler.py) when the params ask for them
+        self.output_logprobs: list[TokenLogprob] = []  # one per output token
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if params.prompt_logprobs is None else [None] * len(self.prompt_token_ids))
+        self.prompt_logprobs_sent = False  # they go out once, with the first output
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Must this step's prompt rows go through the head (prompt_logprobs asked, not yet sent)?"""
+        return self.prompt_logprobs is not None and not self.prompt_logprobs_sent
 
     @property
     def tokens(self) -> list[int]:

@@ -78,6 +78,10 @@ def _check_generate_args(model, idx, params, attention_mask, eos_token_id, strea
         if not 0 <= token < cfg.vocab_size:
             name = "eos_token_id" if token == eos_token_id else "a stop token id"
             raise ValueError(f"{name}={token} is outside [0, vocab_size={cfg.vocab_size})")
+    if params.logit_bias and params.logit_bias[-1][0] >= cfg.vocab_size:  # pairs are sorted by token id
+        raise ValueError(f"logit_bias names token {params.logit_bias[-1][0]}, outside [0, vocab_size={cfg.vocab_size})")
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        raise ValueError("logprobs and prompt_logprobs are returned by the engine (LLMEngine), not by generate()")
     if stream is not None and not callable(stream):
         raise TypeError(f"stream must be a callable taking the (B,) tokens of each step, got {type(stream).__name__}")
 
@@ -101,7 +105,8 @@ def generate(
     """Continue the prompts idx (B, T). Returns the new ids only, (B, params.max_tokens).
 
     `params` is a SamplingParams, or max_new_tokens with the sampling options as keywords (temperature,
-    top_k, top_p, min_p, repetition_penalty, stop_token_ids, ignore_eos, seed). A row that produces a
+    top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias, min_tokens,
+    stop_token_ids, ignore_eos, seed). A row that produces a
     stop token (or `eos_token_id`, unless ignore_eos) stops there and repeats that token in its later
     slots; the loop ends early once every row has stopped. `generator` (or params.seed) drives sampling.
     `stream(tokens)` is called after each step with the (B,) new ids. The model runs in eval mode
@@ -138,7 +143,8 @@ def generate(
     if attention_mask is not None:
         keep[:, :T] = attention_mask.bool()
     prompt_mask = attention_mask if attention_mask is not None and not bool(keep[:, :T].all()) else None
-    stops = torch.tensor(params.stops(eos_token_id), dtype=torch.long, device=device)  # (S,)
+    stop_ids = params.stops(eos_token_id)
+    stops = torch.tensor(stop_ids, dtype=torch.long, device=device)  # (S,)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
 
     was_training = model.training
@@ -160,8 +166,8 @@ def generate(
             logits = model(idx, attention_mask=prompt_mask, check=False)[0][:, -1]
         for step in range(n_new):
             length = T + step
-            next_ids = sample_next(logits, params, previous_ids=tokens[:, :length],
-                                   previous_mask=keep[:, :length], generator=generator)  # (B,)
+            next_ids = sample_next(logits, params, previous_ids=tokens[:, :length], previous_mask=keep[:, :length],
+                                   output_ids=tokens[:, T:length], stop_ids=stop_ids, generator=generator)  # (B,)
             if len(stops):  # a stopped row repeats its stop token; no host read here
                 next_ids = torch.where(finished, tokens[:, length - 1], next_ids)
                 finished |= torch.isin(next_ids, stops)

@@ -132,8 +132,9 @@ def _check_speculative_args(target, idx, params, draft_model, k) -> None:
         raise ValueError(f"speculative decoding runs one row; idx has batch size {idx.shape[0]}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"num_speculative_tokens={k!r} must be a positive integer")
-    if params.repetition_penalty not in (None, 1.0):
-        raise ValueError("speculative decoding does not take repetition_penalty (it changes p at every draft)")
+    if params.penalised or params.logit_bias or params.min_tokens:
+        raise ValueError("speculative decoding does not take repetition_penalty, presence/frequency_penalty, "
+                         "logit_bias or min_tokens (they change p at every draft)")
     if isinstance(draft_model, str):
         if draft_model != PROMPT_LOOKUP:
             raise ValueError(f"draft_model={draft_model!r}: expected a TransformerLM or {PROMPT_LOOKUP!r}")
