@@ -262,7 +262,8 @@ def timed(fn, repeats: int = 3):
 def run_tricks(args) -> None:
     target, draft, val = trained_models(args)
     ctx = args.context
-    rows = [("fp32", perplexity(target, val, ctx)), ("bf16", perplexity(copy.deepcopy(target).to(torch.bfloat16), val, ctx))]
+    rows = [("fp32", perplexity(target, val, ctx))]
+    rows.append(("bf16", perplexity(copy.deepcopy(target).to(torch.bfloat16), val, ctx)))
     for mode in ("int8", "int4"):
         rows.append((mode, perplexity(quantize(copy.deepcopy(target), mode, group_size=args.group_size), val, ctx)))
     print(f"\nheld-out perplexity of the trained 6x384 char model ({args.train_steps} steps; "

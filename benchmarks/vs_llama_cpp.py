@@ -70,8 +70,10 @@ def write_model(root: Path) -> Path:
 
 CONVERT = """import runpy, sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + '/gguf-py']
-import conversion.base
-# a tokenizer trained here has no entry in llama.cpp's table of pre-tokenizer hashes: declare GPT-2's
+import conversion.base, conversion.llama
+# our tokenizer is a byte-level BPE trained here: go straight to the converter's GPT-2 vocabulary path (the
+# Llama default tries sentencepiece first), and declare its pre-tokenizer (no entry in llama.cpp's hash table)
+conversion.llama.LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()
 conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'
 sys.argv = [sys.argv[1] + '/convert_hf_to_gguf.py'] + sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name='__main__')

@@ -276,7 +276,7 @@ def test_compiled_batch_of_one_runs_its_matmuls_as_reductions(compiled_setup):
 
 
 def test_cpu_decode_backend_settings_stay_inside_its_compile():
-    """The backend's options (FX-graph and AOT caches off, the int8 stored-input threshold, the one-row
+    """The backend's options (AOT cache off, the int8 stored-input threshold, the one-row
     decompositions) belong to the decode step's compile alone: after an int8 compiled decode, inductor's
     and functorch's global settings and inductor's decomposition table are what they were, and a plain
     torch.compile of a one-row linear in the same process still calls aten's addmm (training with
@@ -292,10 +292,17 @@ def test_cpu_decode_backend_settings_stay_inside_its_compile():
     torch.manual_seed(0)  # a layout no other test compiles (d_model 24), so this call compiles here
     cfg = TransformerConfig(vocab_size=VOCAB, d_model=24, n_heads=2, n_layer=1, d_ff=48, max_seq_len=16)
     model = quantize(TransformerLM(cfg).eval(), "int8")
+    cache_counts = torch._dynamo.utils.counters["inductor"]
+    bypassed, looked_up = cache_counts["fxgraph_cache_bypass"], cache_counts["fxgraph_cache_miss"] + cache_counts[
+        "fxgraph_cache_hit"]
     _, code = run_and_get_code(generate, model, torch.randint(0, VOCAB, (1, 3)), 3, compile=True)
     assert code, "the int8 decode step was not compiled here"
     after = (inductor_config.get_config_copy(), functorch_config.get_config_copy(), dict(select_decomp_table()))
     assert after == before
+    assert torch._inductor.compile_fx.select_decomp_table is select_decomp_table  # put back after the compile
+    # the FX-graph cache was consulted (its key could be built), not bypassed
+    assert cache_counts["fxgraph_cache_bypass"] == bypassed
+    assert cache_counts["fxgraph_cache_miss"] + cache_counts["fxgraph_cache_hit"] > looked_up
 
     weight, bias = torch.randn(40, 32), torch.randn(40)
     plain = torch.compile(lambda x: torch.nn.functional.linear(x, weight, bias), fullgraph=True, dynamic=False)

@@ -214,10 +214,10 @@ def _cpu_decode_backend(gm, example_inputs):
     inductor reduction, single thread); the vectorised reduction inductor generates streams each row of
     W once at near the `sum()` bandwidth. Inductor's own table decomposes mm this way only on GPUs.
     Caches across processes: inductor's FX-graph cache is ON. Its key hashes the graph inductor gets,
-    which is the graph AFTER our decompositions (one-row mm already a multiply-and-sum), plus the config
-    patches below, so a default-inductor graph of the same step has another key. AOTAutograd's cache stays
-    off: its key hashes the graph BEFORE decomposition and does not include the table, so it could hand
-    back a default-inductor artifact for our step (the reason both were off before).
+    which is the graph AFTER our decompositions (one-row mm already a multiply-and-sum), the config
+    patches below and the name of the decomposition function, so a default-inductor graph of the same step
+    has another key. AOTAutograd's cache stays off: its key hashes the graph BEFORE decomposition, so it
+    could hand back a default-inductor artifact for our step (the reason both were off before).
 
     With int8 weights (quantize.py) the graph also gets a low `realize_cpu_opcount_threshold`:
     by default inductor inlines a reduction's producer (the LayerNorm before a linear) and recomputes
@@ -225,18 +225,30 @@ def _cpu_decode_backend(gm, example_inputs):
     loop (measured, GPT-2 small int8 step: 15.8 ms inlined, 6.6 ms with the input stored once). With
     fp32 weights the inlined form is the faster one (6x384 step: 2.9 ms against 4.8 ms), and so it is for
     int4's packed uint8 weights (measured 3.5x slower stored: its unpacking already dominates), so they keep it."""
-    from torch._functorch import config as functorch_config
-    from torch._inductor.compile_fx import compile_fx
-    from torch._inductor.decomposition import select_decomp_table
+    from unittest import mock
 
-    aten = torch.ops.aten
-    table = {**select_decomp_table(), aten.addmm.default: _one_row_addmm, aten.mm.default: _one_row_mm,
-             aten._scaled_dot_product_flash_attention_for_cpu.default: _one_query_attention}
+    from torch._functorch import config as functorch_config
+    from torch._inductor import compile_fx as compile_fx_module
+
     options = {"fx_graph_cache": True}
     if any(isinstance(t, torch.Tensor) and t.dtype == torch.int8 for t in example_inputs):
         options["realize_cpu_opcount_threshold"] = 4  # int8 weights: store each linear's input once
-    with functorch_config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, config_patches=options, decompositions=table)
+    # The table goes in as compile_fx's `select_decomp_table` for this call, not as `decompositions=`: a
+    # dict passed there becomes part of the FX-graph cache key, and inductor's default table holds objects
+    # that cannot be pickled for a key (DispatchKey), so every compile bypassed the cache (measured).
+    # A module-level function is pickled by name instead.
+    with functorch_config.patch(enable_autograd_cache=False), \
+            mock.patch.object(compile_fx_module, "select_decomp_table", decode_decompositions):
+        return compile_fx_module.compile_fx(gm, example_inputs, config_patches=options)
+
+
+def decode_decompositions() -> dict:
+    """inductor's decomposition table plus the three one-row rules above."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    aten = torch.ops.aten
+    return {**select_decomp_table(), aten.addmm.default: _one_row_addmm, aten.mm.default: _one_row_mm,
+            aten._scaled_dot_product_flash_attention_for_cpu.default: _one_query_attention}
 
 
 def compiled_decode_step(device: torch.device | str) -> Callable:
