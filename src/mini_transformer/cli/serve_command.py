@@ -28,11 +28,11 @@ def _add_serve(sub) -> None:
 
 
 def _run_serve(args) -> None:
+    from .._checks import integer
     from ..checkpoint import resolve_checkpoint_dir
     from ..server import build_context, serve
 
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port {args.port} must be in [0, 65535]")
+    integer("--port", args.port, low=0, high=65535)
     model = None  # build_context loads a float32 checkpoint itself
     if args.quantize or args.dtype != "float32":
         model = load_model(resolve_checkpoint_dir(args.checkpoint), args.device, args)

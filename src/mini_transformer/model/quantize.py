@@ -23,7 +23,7 @@ How the matmul reads the small weights:
     dequantized weight in memory, and the same numbers eager, compiled, alone or in any batch;
   * `packed_kernels=True`: PyTorch's packed kernels (`aten._weight_int8pack_mm`, on the CPU
     `aten._weight_int4pack_mm_for_cpu`). They run on this project's CPU build but measured 13-50x (int8)
-    and ~150x (int4) slower than the fp32 matmul at batch 1 (docs/08), so they are opt-in.
+    and ~170x (int4: our int4 kernel, docs/08 3b) slower at batch 1, so they are opt-in.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._checks import choice, integer
 from .gemv_kernels import int4_gemv_reference, kernel_available, kernel_groups_ok
 
 MODES = ("int8", "int4")
@@ -206,10 +207,9 @@ def quantize(model: nn.Module, mode: str, group_size: int = 64, *, packed_kernel
 
     int4 leaves a layer whose input width is not a multiple of group_size in float (named in
     `model.quantization["skipped"]`). A tied head gets its own quantized copy; the embedding stays float."""
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not known; expected one of {', '.join(MODES)}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 or group_size % 2:
-        raise ValueError(f"group_size={group_size!r} must be an even integer >= 2")
+    choice("mode", mode, MODES)
+    if integer("group_size", group_size) < 2 or group_size % 2:
+        raise ValueError(f"group_size={group_size} must be an even integer >= 2")
     if getattr(model, "quantization", None):
         raise ValueError(f"the model is already quantized ({model.quantization['mode']})")
     skipped = []
