@@ -22,8 +22,9 @@ How the matmul reads the small weights:
     packed codes (gemv_kernels.py: a C++ AVX512-VNNI kernel, or its PyTorch reference) - never a
     dequantized weight in memory, and the same numbers eager, compiled, alone or in any batch;
   * `packed_kernels=True`: PyTorch's packed kernels (`aten._weight_int8pack_mm`, on the CPU
-    `aten._weight_int4pack_mm_for_cpu`). They run on this project's CPU build but measured 13-50x (int8)
-    and ~170x (int4: our int4 kernel, docs/08 3b) slower at batch 1, so they are opt-in.
+    `aten._weight_int4pack_mm_for_cpu`). They run on this project's CPU build but at batch 1 measured
+    13-50x slower than the fp32 matmul (int8) and ~170x slower than our int4 kernel (docs/08), so they
+    are opt-in.
 """
 
 from __future__ import annotations
