@@ -12,7 +12,7 @@ per weight: the ceiling is  memory bandwidth / bytes read per token.  This scrip
     compiled  generate(compile=True): StaticCache + a decode step compiled once
     int8      quantize(model, "int8"), compiled      int4  quantize(model, "int4", group 64), compiled
   tricks (a 6x384 char model and a 1-layer draft, both trained here on --data for --train-steps)
-    perplexity on held-out text: fp32, int8, int4
+    perplexity on held-out text: fp32, bf16, int8, int4
     speculative decoding with the draft, and prompt lookup on a repetitive and on a plain prompt,
     against plain cached greedy decoding of the same prompt (outputs checked identical)
 (bench_decode.py keeps the stage-3 question: cached vs uncached decode vs Hugging Face; the bandwidth, byte
@@ -22,6 +22,7 @@ counts and plot live in decode_roofline.py beside this script.)
     python benchmarks/bench_decode_speed.py --parts speed --models char --new-tokens 128
     python benchmarks/bench_decode_speed.py --parts tricks --trained out/bench-decode   # trains once, then reuses
     python benchmarks/bench_decode_speed.py --device cuda --quick     # the GPU check: char model, speed only
+    python benchmarks/bench_decode_speed.py --vs-llama-cpp --llama-python /tmp/llamaenv/bin/python
 On --device cuda every timed run ends with torch.cuda.synchronize(), the bandwidth is the GPU's (a copy and
 a sum of 256 MB on the device), and our compiled step is a CUDA graph (mode="reduce-overhead").
 """
@@ -72,6 +73,12 @@ def parse_args(argv=None):
     add_common_args(p, plot="write the roofline plot (bytes/token vs tokens/s) here")
     p.add_argument("--profile", nargs="+", choices=SPEED_METHODS, default=[],
                    help="after timing, profile one run of these methods (torch.profiler) and print the top ops")
+    p.add_argument("--vs-llama-cpp", action="store_true",
+                   help="only the side-by-side with llama.cpp on a 124.7M random Llama (vs_llama_cpp.py)")
+    p.add_argument("--llama-python", help="a Python whose environment imports llama_cpp (default: this one)")
+    p.add_argument("--llama-threads", type=int, nargs="+", default=[1], help="thread counts, both systems")
+    p.add_argument("--llama-new-tokens", type=int, default=256, help="new tokens per run (the first from prefill)")
+    p.add_argument("--with-eager", action="store_true", help="--vs-llama-cpp: also our eager fp32")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run (the GPU check's): speed only, char model, 128 new tokens, 2 repeats, no int4")
     args = p.parse_args(argv)
@@ -245,11 +252,12 @@ def run_tricks(args) -> None:
     target, draft, val = trained_models(args)
     ctx = args.context
     rows = [("fp32", perplexity(target, val, ctx))]
+    rows.append(("bf16", perplexity(copy.deepcopy(target).to(torch.bfloat16), val, ctx)))
     for mode in ("int8", "int4"):
         rows.append((mode, perplexity(quantize(copy.deepcopy(target), mode, group_size=args.group_size), val, ctx)))
     print(f"\nheld-out perplexity of the trained 6x384 char model ({args.train_steps} steps; "
           f"{min(64, (len(val) - 1) // ctx)} held-out windows of {ctx} tokens)")
-    for mode, ppl in rows:
+    for mode, ppl in rows:  # bf16: weights and activations in bf16, norms / softmax / the loss in fp32
         print(f"  {mode:>5}: {ppl:.4f}  ({ppl / rows[0][1]:.4f}x fp32)")
 
     half, quarter = ctx // 2, ctx // 4
@@ -280,6 +288,10 @@ def run_tricks(args) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.vs_llama_cpp:
+        import vs_llama_cpp
+
+        return vs_llama_cpp.run(args)
     apply_common_args(args)
     print(f"threads {args.threads}, device {args.device}, load average {os.getloadavg()[0]:.2f}")
     if "speed" in args.parts:

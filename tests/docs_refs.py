@@ -17,6 +17,7 @@ FOREIGN_FILES = {
     "prepare.py": "nanoGPT's data/shakespeare_char/prepare.py",
     "model.py": "nanoGPT's model file",
     "bench.py": "nano-vllm's benchmark script",
+    "convert_hf_to_gguf.py": "llama.cpp's converter (in the llama-cpp-python sdist, vendor/llama.cpp/)",
 }
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
 OUTPUT_OF = re.compile(r"<!--\s*output-of:\s*(.+?)\s*-->\s*\n```[^\n]*\n(.*?)^```", re.S | re.M)

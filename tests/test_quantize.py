@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from mini_transformer import TransformerConfig, TransformerLM, generate
+from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
 from mini_transformer.checkpoint import CheckpointError
+from mini_transformer.model.gemv_kernels import int4_gemv_reference, kernel_available
 from mini_transformer.model.quantize import (
     Int4Linear,
     Int8Linear,
-    int4_rowwise,
     int8_rowwise,
     pack_nibbles,
     quantize,
@@ -53,16 +53,62 @@ def test_int8_linear_within_its_scale_bound(in_features, out_features, rows, wei
     assert layer.weight.dtype == torch.int8 and int(layer.weight.abs().max()) <= 127
 
 
+def activation_bound(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
+    """(M, N) bound on what rounding the activations to int8 per group adds: each x_k moves by at most
+    dx_g / 2 (dx_g = max |x| over its group / 127), times |w_hat| summed over the group."""
+    G, gs = layer.in_features // layer.group_size, layer.group_size
+    dx = x.double().view(-1, G, gs).abs().amax(dim=-1) / 127  # (M, G)
+    w_abs = layer.dequantize().double().abs().view(layer.out_features, G, gs).sum(dim=-1)  # (N, G)
+    return dx / 2 @ w_abs.T
+
+
 @settings(max_examples=10, deadline=None)
 @given(groups=st.integers(1, 4), group_size=st.sampled_from([16, 32, 64]), out_features=st.sampled_from([5, 16, 48]),
        rows=st.integers(1, 3))
 def test_int4_linear_within_its_group_scale_bound(groups, group_size, out_features, rows):
+    """Int4Linear rounds weights to 4 bits and, in its GEMV, the activations to 8 bits per group: the
+    error against the float64 layer stays within the sum of the two rounding bounds."""
     in_features = groups * group_size
     linear = nn.Linear(in_features, out_features)
     layer = Int4Linear.from_linear(linear, group_size)
     scale = layer.scales_and_zeros[..., 0].T  # (N, G)
     step = scale.repeat_interleave(group_size, dim=1)  # (N, K): each weight's group step
-    check_within_bound(layer, linear, torch.randn(rows, in_features), step)
+    x = torch.randn(rows, in_features)
+    want = x.double() @ linear.weight.double().T + linear.bias.double()
+    bound = rounding_bound(x, step, linear.weight) + activation_bound(x, layer)
+    assert bool(((layer(x).double() - want).abs() <= bound).all())
+
+
+def reference_in_float64(x, layer: Int4Linear) -> torch.Tensor:
+    """The GEMV's definition, computed in float64 from scratch. With w = q * scale + low per group:
+    y = sum_k x_hat_k * q_k * scale + x_k * low, x_hat = x rounded to int8 steps of its group's dx
+    (the group minimum multiplies the exact sum of x: one float per group, nothing to round)."""
+    G, gs, N = layer.in_features // layer.group_size, layer.group_size, layer.out_features
+    xg = x.double().view(-1, G, gs)
+    dx = xg.abs().amax(dim=-1, keepdim=True) / 127
+    x_hat = torch.where(dx == 0, 0.0, torch.round(xg / dx) * dx).view(x.shape)
+    q = unpack_nibbles(layer.weight).double().view(N, G, gs)
+    scale, low = layer.gemv_scale.double()[..., None], layer.gemv_low.double()[..., None]  # (N, G, 1)
+    return x_hat @ (q * scale).view(N, -1).T + x.double() @ low.expand(N, G, gs).reshape(N, -1).T
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_int4_gemv_kernel_and_reference_agree_with_float64(group_size, rows):
+    """The C++ kernel (VNNI or its scalar loop) and the PyTorch reference: the same integer dot products,
+    so they differ only in the order of float sums; both match the definition in float64."""
+    torch.manual_seed(group_size + rows)
+    layer = Int4Linear.from_linear(nn.Linear(256, 80, bias=False), group_size)
+    x = torch.randn(rows, 256) * torch.rand(256) * 4  # groups of different ranges
+    x[:, :group_size] = 0  # a group of zeros: dx = 0
+    want = reference_in_float64(x, layer)
+    ref = int4_gemv_reference(x, layer.weight, layer.gemv_scale, layer.gemv_low, group_size)
+    torch.testing.assert_close(ref.double(), want, rtol=1e-5, atol=1e-5)
+    if not kernel_available():
+        pytest.skip("the int4 C++ kernel cannot be built here")
+    assert layer.gemv_kernel
+    got = torch.ops.mt_gemv.int4(x, layer.weight, layer.gemv_scale, layer.gemv_low, group_size)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_int8_kernel_equals_dequantize_then_matmul():
@@ -75,26 +121,20 @@ def test_int8_kernel_equals_dequantize_then_matmul():
 
 
 @pytest.mark.parametrize("out_features", [32, 40])  # 40: padded to 48 rows for the kernel, cut back
-def test_int4_kernel_equals_dequantize_then_matmul(out_features):
+def test_int4_aten_kernel_equals_dequantize_then_matmul(out_features):
     layer = Int4Linear.from_linear(nn.Linear(128, out_features), group_size=32, use_kernel=True)
     assert layer.kernel_weight is not None
     x = torch.randn(2, 3, 128)
-    with_kernel = layer(x)
-    layer.kernel_weight = None  # force the fallback
-    fallback = layer(x)
-    torch.testing.assert_close(with_kernel, fallback, rtol=1e-5, atol=1e-5)
+    want = x.double() @ layer.dequantize().double().T + layer.bias.double()
+    torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_fused_rowwise_forms_equal_dequantize_then_matmul():
-    """The multiply-and-sum forms a compiled decode step uses, run eagerly here against float64."""
+def test_fused_int8_rowwise_form_equals_dequantize_then_matmul():
+    """The multiply-and-sum form a compiled decode step uses, run eagerly here against float64."""
     x = torch.randn(3, 128)
     int8 = Int8Linear.from_linear(nn.Linear(128, 24))
     want = x.double() @ int8.dequantize().double().T
     torch.testing.assert_close(int8_rowwise(x, int8.weight, int8.scales).double(), want, rtol=1e-5, atol=1e-5)
-    int4 = Int4Linear.from_linear(nn.Linear(128, 24), group_size=32)
-    want = x.double() @ int4.dequantize().double().T
-    got = int4_rowwise(x, int4.weight, int4.scales_and_zeros, 32).double()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_compiled_quantized_linears_take_the_fused_path():
@@ -250,3 +290,56 @@ def test_sample_cli_quantize_flag_and_quantized_checkpoint(tmp_path, capsys):
     assert capsys.readouterr().out == "the fox" + tokenizer.decode(expected[0].tolist()) + "\n"
     assert main(["sample", "--checkpoint", str(tmp_path / "int8"), "--quantize", "int4", *args]) == 2
     assert "already quantized" in capsys.readouterr().err
+
+
+# ------------------------------------------- quantized and 16-bit models through the engine and `serve`
+def llama_model(dtype=torch.float32, mode=None) -> TransformerLM:
+    """A small confident Llama (init_std 0.3: its greedy choices are far from ties), cast, then quantized
+    (as `serve --dtype --quantize` does: the quantized layers keep float32 scales)."""
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=60, d_model=64, n_heads=4, n_kv_heads=2, n_layer=2, d_ff=128, max_seq_len=64,
+                            pos_emb="rope", norm="rmsnorm", ffn="swiglu", bias=False, tie_weights=False, init_std=0.3)
+    model = TransformerLM(cfg).eval().to(dtype)
+    return quantize(model, mode, group_size=32) if mode else model
+
+
+@pytest.mark.parametrize("mode,dtype", [("int8", torch.float32), (None, torch.bfloat16)])
+def test_engine_greedy_equals_generate_on_the_same_quantized_model(mode, dtype):
+    """Ragged prompts through the engine (their tokens packed into one forward, decode rows of several
+    requests together) give generate()'s greedy tokens, each prompt alone. (int4 is not listed: its
+    activation rounding turns a 1-ulp difference in the engine's attention into a jump of one int8 step,
+    and on main's engine one of these prompts then flips a near-tie at its 11th token; see docs/08 3b.)"""
+    from mini_transformer.engine import LLMEngine
+
+    model = llama_model(dtype, mode)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 60, (n,), generator=gen).tolist() for n in (5, 17, 9, 1)]
+    want = [generate(model, torch.tensor([p]), 12)[0].tolist() for p in prompts]
+    engine = LLMEngine(model, block_size=4, num_blocks=64)
+    assert engine.generate(prompts, SamplingParams(max_tokens=12), use_tqdm=False) == want
+
+
+def test_int4_rows_do_not_depend_on_their_batch():
+    """The property the engine relies on: a row's int4 output is the same alone, in a batch, in a prefill."""
+    layer = Int4Linear.from_linear(nn.Linear(128, 40), group_size=64)
+    x = torch.randn(20, 128)
+    together = layer(x)
+    for i in (0, 7, 19):
+        assert torch.equal(layer(x[i:i + 1]), together[i:i + 1])
+
+
+def test_serve_cli_quantize_and_dtype_reach_the_engine(tmp_path, monkeypatch):
+    """`serve --quantize int4 --dtype bfloat16` builds its engine on the model quantized and cast as asked."""
+    from server_support import make_char_checkpoint
+
+    from mini_transformer import server
+    from mini_transformer.cli import main
+
+    make_char_checkpoint(tmp_path)
+    served = {}
+    monkeypatch.setattr(server, "serve", lambda ctx, **kw: served.update(model=ctx.engine_loop.engine.model))
+    assert main(["serve", "--checkpoint", str(tmp_path), "--quantize", "int4", "--group-size", "32",
+                 "--dtype", "bfloat16", "--port", "0"]) == 0
+    model = served["model"]
+    assert model.quantization["mode"] == "int4" and model.tok_emb.weight.dtype == torch.bfloat16
+    assert isinstance(model.lm_head, Int4Linear)

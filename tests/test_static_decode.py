@@ -5,6 +5,8 @@ the decode step once — no recompilation over 200 steps, nor for a second batch
 The compiling tests share one shape (B=2, prompt 5, 200 new tokens, tiny model) so that the whole file
 pays for one compilation (tens of seconds on 2 busy cores)."""
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,7 +14,13 @@ from hypothesis import strategies as st
 from support import padded_prompts, small_lm
 
 from mini_transformer import KVCache, TransformerConfig, TransformerLM, generate
-from mini_transformer.inference.static_cache import StaticCache, _one_query_attention, _one_row_addmm, _one_row_mm
+from mini_transformer.inference.static_cache import (
+    StaticCache,
+    _one_query_attention,
+    _one_row_addmm,
+    _one_row_mm,
+    compiled_decode_step,
+)
 
 VOCAB = 40
 
@@ -186,19 +194,22 @@ def test_compiled_padding_does_not_change_a_row(compiled_setup):
 
 @settings(max_examples=10, deadline=None)
 @given(k=st.integers(1, 70), n=st.integers(1, 70), rows=st.integers(1, 3),
-       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]))
 def test_one_row_matmuls_become_a_reduction_with_aten_s_numbers(k, n, rows, dtype):
-    """The CPU decode backend's decompositions: one row (float32/64) -> multiply + sum, equal to float64
-    addmm / mm within float32 rounding; more rows or another dtype -> NotImplemented (aten's kernel)."""
+    """The CPU decode backend's decompositions: one row -> multiply + sum, equal to float64 addmm / mm
+    within the rounding of the dtype's one final result (16-bit inputs are summed in fp32, rounded once);
+    more rows -> NotImplemented (aten's kernel)."""
     x, w, b = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype), torch.randn(n, dtype=dtype)
     got_addmm, got_mm = _one_row_addmm(b, x, w.t()), _one_row_mm(x, w.t())
-    if rows != 1 or dtype == torch.bfloat16:
+    if rows != 1:
         assert got_addmm is NotImplemented and got_mm is NotImplemented
         return
     want = x.double() @ w.double().t()  # (1, N)
-    tol = dict(rtol=0, atol=1e-5 * k) if dtype == torch.float32 else dict(rtol=0, atol=1e-12 * k)
-    torch.testing.assert_close(got_mm.double(), want, **tol)
-    torch.testing.assert_close(got_addmm.double(), want + b.double(), **tol)
+    assert got_mm.dtype == got_addmm.dtype == dtype
+    sum_slack = (x.double().abs() @ w.double().abs().t()) * {torch.float64: 1e-14}.get(dtype, 1e-6)
+    rounding = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}.get(dtype, 0.0)  # half an ulp of the result
+    for got, exact in ((got_mm, want), (got_addmm, want + b.double())):
+        assert bool(((got.double() - exact).abs() <= sum_slack + rounding * exact.abs() + 1e-30).all())
     assert _one_row_addmm(b, x, w.t(), beta=2) is NotImplemented
 
 
@@ -221,6 +232,35 @@ def test_one_query_attention_equals_sdpa(B, heads, Tk, mask_kind, scale):
     assert _one_query_attention(q.expand(B, H, 2, 8), k, v) is NotImplemented  # two queries: aten's kernel
 
 
+def test_compiled_bf16_decode_runs_reductions_and_matches_float64():
+    """A bf16 model through generate(compile=True): no aten matmul left in the step (the one-row
+    decompositions take 16-bit inputs, summing in fp32), each step's logits within bf16 rounding of the
+    same weights run in float64, and the greedy tokens equal the float64 model's."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=48, n_heads=4, n_kv_heads=2, n_layer=2, d_ff=96,
+                            max_seq_len=64, pos_emb="rope", norm="rmsnorm", ffn="swiglu", bias=False,
+                            tie_weights=False, attn_backend="sdpa", init_std=0.3)
+    model = TransformerLM(cfg).eval().to(torch.bfloat16)
+    exact = copy.deepcopy(model).double()  # the same (bf16-rounded) weights, computed in float64
+    idx = torch.randint(0, VOCAB, (1, 5))
+    got, code = run_and_get_code(generate, model, idx, 30, compile=True)
+    assert code, "the bf16 step was not compiled here"
+    assert not any(call in c for c in code for call in ("extern_kernels.addmm(", "extern_kernels.mm("))
+    assert torch.equal(got, generate(exact, idx, 30))
+    cache = StaticCache.for_model(cfg, 1, 64, dtype=torch.bfloat16)
+    ref_cache = KVCache.for_model(cfg, 1, 64, dtype=torch.float64)
+    with torch.inference_mode():
+        model(idx, cache=cache, check=False)
+        exact(idx, cache=ref_cache, check=False)
+        step = compiled_decode_step("cpu")
+        for token in got[0, :8]:
+            logits = step(model, token[None], cache)
+            want = exact(token[None, None], cache=ref_cache, check=False)[0][:, -1]
+            torch.testing.assert_close(logits.double(), want, rtol=0.05, atol=0.05 * float(want.abs().max()))
+
+
 def test_compiled_batch_of_one_runs_its_matmuls_as_reductions(compiled_setup):
     """Batch 1 (the bandwidth-bound case): the compiled step's C++ has no aten matmul or flash-attention
     call left (each is inductor's fused multiply-and-sum), and its 200 greedy tokens equal eager's."""
@@ -237,7 +277,7 @@ def test_compiled_batch_of_one_runs_its_matmuls_as_reductions(compiled_setup):
 
 
 def test_cpu_decode_backend_settings_stay_inside_its_compile():
-    """The backend's options (FX-graph and AOT caches off, the int8 stored-input threshold, the one-row
+    """The backend's options (AOT cache off, the int8 stored-input threshold, the one-row
     decompositions) belong to the decode step's compile alone: after an int8 compiled decode, inductor's
     and functorch's global settings and inductor's decomposition table are what they were, and a plain
     torch.compile of a one-row linear in the same process still calls aten's addmm (training with
@@ -253,10 +293,17 @@ def test_cpu_decode_backend_settings_stay_inside_its_compile():
     torch.manual_seed(0)  # a layout no other test compiles (d_model 24), so this call compiles here
     cfg = TransformerConfig(vocab_size=VOCAB, d_model=24, n_heads=2, n_layer=1, d_ff=48, max_seq_len=16)
     model = quantize(TransformerLM(cfg).eval(), "int8")
+    cache_counts = torch._dynamo.utils.counters["inductor"]
+    bypassed, looked_up = cache_counts["fxgraph_cache_bypass"], cache_counts["fxgraph_cache_miss"] + cache_counts[
+        "fxgraph_cache_hit"]
     _, code = run_and_get_code(generate, model, torch.randint(0, VOCAB, (1, 3)), 3, compile=True)
     assert code, "the int8 decode step was not compiled here"
     after = (inductor_config.get_config_copy(), functorch_config.get_config_copy(), dict(select_decomp_table()))
     assert after == before
+    assert torch._inductor.compile_fx.select_decomp_table is select_decomp_table  # put back after the compile
+    # the FX-graph cache was consulted (its key could be built), not bypassed
+    assert cache_counts["fxgraph_cache_bypass"] == bypassed
+    assert cache_counts["fxgraph_cache_miss"] + cache_counts["fxgraph_cache_hit"] > looked_up
 
     weight, bias = torch.randn(40, 32), torch.randn(40)
     plain = torch.compile(lambda x: torch.nn.functional.linear(x, weight, bias), fullgraph=True, dynamic=False)

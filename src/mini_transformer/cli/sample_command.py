@@ -7,6 +7,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from .options import add_model_options, load_model
+
 
 def _add_sample(sub) -> None:
     p = sub.add_parser("sample", help="continue prompts with a trained checkpoint (one streams; several run "
@@ -27,8 +29,7 @@ def _add_sample(sub) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action="store_true",
                    help="decode from a static cache with a step compiled once (the first call compiles)")
-    p.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantize every linear layer first")
-    p.add_argument("--group-size", type=int, default=64, help="int4 group size (with --quantize int4)")
+    add_model_options(p)
     p.add_argument("--draft-checkpoint", help="a small model sharing the tokenizer: speculative decoding")
     p.add_argument("--prompt-lookup", action="store_true", help="speculative decoding with n-gram drafts from the text")
     p.add_argument("--speculative-tokens", type=int, default=4, help="tokens drafted per target pass")
@@ -124,18 +125,10 @@ def _run_sample(args) -> None:
 
 
 def _load_sample_model(args, checkpoint, device):
-    """The checkpoint (float, or quantized as its save_pretrained wrote it), quantized if --quantize asks."""
-    from ..model.quantize import quantize
-    from ..model.transformer import TransformerLM
-
+    """The checkpoint in the precision --dtype / --quantize ask for."""
     if args.draft_checkpoint and args.prompt_lookup:
         raise ValueError("--draft-checkpoint and --prompt-lookup are two drafters; choose one")
-    model = TransformerLM.from_pretrained(checkpoint, device=device)
-    if not args.quantize:
-        return model
-    if getattr(model, "quantization", None):
-        raise ValueError(f"--checkpoint {args.checkpoint} is already quantized; drop --quantize")
-    return quantize(model, args.quantize, group_size=args.group_size)
+    return load_model(checkpoint, device, args)
 
 
 def _read_prompts(args) -> list[str]:

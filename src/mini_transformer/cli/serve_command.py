@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .options import add_model_options, load_model
+
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (and a live page at /) on the engine")
@@ -20,16 +22,21 @@ def _add_serve(sub) -> None:
     p.add_argument("--host-kv-bytes", type=int, metavar="N", help="keep up to N bytes of KV blocks in host "
                    "memory behind the pool (an LRU tier in front of --kv-store)")
     p.add_argument("--device", default="cpu")
+    add_model_options(p)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=_run_serve)
 
 
 def _run_serve(args) -> None:
     from .._checks import integer
+    from ..checkpoint import resolve_checkpoint_dir
     from ..server import build_context, serve
 
     integer("--port", args.port, low=0, high=65535)
-    ctx = build_context(args.checkpoint, model_name=args.model_name, api_key=args.api_key,
+    model = None  # build_context loads a float32 checkpoint itself
+    if args.quantize or args.dtype != "float32":
+        model = load_model(resolve_checkpoint_dir(args.checkpoint), args.device, args)
+    ctx = build_context(args.checkpoint, model=model, model_name=args.model_name, api_key=args.api_key,
                         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_waiting=args.max_waiting, device=args.device, kv_store=args.kv_store,

@@ -159,7 +159,7 @@ def _generate(model, idx, params: SamplingParams, *, attention_mask, eos_token_i
         if use_cache:
             dtype = model.tok_emb.weight.dtype
             if compile:  # fixed shapes: every decode step runs the same compiled graph
-                from .static_cache import compiled_decode_step, decode_cache, static_length
+                from .static_cache import compiled_decode_step, decode_cache, static_length, step_without_guards
 
                 max_len = static_length(T + n_new, model.config.max_seq_len)
                 cache = decode_cache(model, B, max_len, dtype=dtype, device=device)
@@ -182,7 +182,9 @@ def _generate(model, idx, params: SamplingParams, *, attention_mask, eos_token_i
             if step == n_new - 1:
                 break
             all_stopped = finished.all() if len(stops) else None  # (), still on the device
-            if use_cache:
+            if use_cache and compile and step > 0:
+                logits = step_without_guards(step_fn, model, next_ids, cache)
+            elif use_cache:
                 logits = step_fn(model, next_ids, cache)
             else:  # the naive way: the whole sequence again, to read one new row of logits
                 mask = keep[:, :length + 1] if prompt_mask is not None else None

@@ -157,18 +157,29 @@ def static_length(needed: int, max_seq_len: int, multiple: int = 128) -> int:
     return min(max_seq_len, -(-needed // multiple) * multiple)
 
 
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
 def _one_row_addmm(bias, mat1, mat2, beta=1, alpha=1):
     """addmm of ONE row (1, K) @ (K, N) as multiply + sum, so inductor writes the matrix-vector product
-    itself; anything else (more rows, alpha/beta, other dtypes) keeps aten's kernel (NotImplemented)."""
-    if mat1.shape[0] != 1 or beta != 1 or alpha != 1 or mat1.dtype not in (torch.float32, torch.float64):
+    itself; anything else (more rows, alpha/beta, other dtypes) keeps aten's kernel (NotImplemented).
+    16-bit weights are widened to fp32 in registers as they are read and the K products summed in fp32
+    (a bf16 sum of 768 terms would keep only ~3 significant digits); only the (1, N) result is rounded."""
+    if mat1.shape[0] != 1 or beta != 1 or alpha != 1 or mat1.dtype not in FLOAT_DTYPES:
         return NotImplemented
-    return (mat1[:, :, None] * mat2[None]).sum(dim=1) + bias  # (1, K, N) -> (1, N)
+    wide = torch.float64 if mat1.dtype == torch.float64 else torch.float32
+    return (_one_row_sum(mat1, mat2, wide) + bias.to(wide)).to(mat1.dtype)  # rounded once, as aten's addmm
 
 
 def _one_row_mm(mat1, mat2):
-    if mat1.shape[0] != 1 or mat1.dtype not in (torch.float32, torch.float64):
+    if mat1.shape[0] != 1 or mat1.dtype not in FLOAT_DTYPES:
         return NotImplemented
-    return (mat1[:, :, None] * mat2[None]).sum(dim=1)  # (1, K, N) -> (1, N)
+    wide = torch.float64 if mat1.dtype == torch.float64 else torch.float32
+    return _one_row_sum(mat1, mat2, wide).to(mat1.dtype)
+
+
+def _one_row_sum(mat1, mat2, wide: torch.dtype):
+    return (mat1[:, :, None].to(wide) * mat2[None].to(wide)).sum(dim=1)  # (1, K, N) -> (1, N), summed in `wide`
 
 
 def _one_query_attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
@@ -176,8 +187,13 @@ def _one_query_attention(query, key, value, dropout_p=0.0, is_causal=False, *, a
     scores = sum_d q k, softmax over the keys, out = sum_t p v. Returns (out, logsumexp) as the op does.
     The flash kernel tiles for many queries; with one it streams K and V at a fraction of the bandwidth."""
     B, H, L, D = query.shape
-    if L != 1 or dropout_p != 0.0 or is_causal or query.dtype not in (torch.float32, torch.float64):
+    if L != 1 or dropout_p != 0.0 or is_causal or query.dtype not in FLOAT_DTYPES:
         return NotImplemented
+    dtype = query.dtype
+    if dtype in (torch.bfloat16, torch.float16):  # scores, softmax and the sum over keys in fp32
+        query, key, value = query.float(), key.float(), value.float()
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.float()
     Hkv, Tk = key.shape[1], key.shape[2]
     q = query.reshape(B, Hkv, H // Hkv, 1, D)  # (B, Hkv, G, 1, D): head h reads kv head h // G, as sdpa's GQA
     scores = (q * key[:, :, None]).sum(dim=-1) * (D ** -0.5 if scale is None else scale)  # (B, Hkv, G, Tk)
@@ -187,7 +203,7 @@ def _one_query_attention(query, key, value, dropout_p=0.0, is_causal=False, *, a
     lse = torch.logsumexp(scores, dim=-1)  # (B, H, 1)
     p = torch.exp(scores - lse[..., None]).reshape(B, Hkv, H // Hkv, Tk, 1)  # (B, Hkv, G, Tk, 1)
     out = (p * value[:, :, None]).sum(dim=-2)  # (B, Hkv, G, D)
-    return out.reshape(B, H, 1, D), lse
+    return out.reshape(B, H, 1, D).to(dtype), lse
 
 
 def _cpu_decode_backend(gm, example_inputs):
@@ -198,8 +214,11 @@ def _cpu_decode_backend(gm, example_inputs):
     the 24 weight matrices of the 6x384 model, 42.5 MB, 2.4 ms through `addmm` against 1.0 ms as an
     inductor reduction, single thread); the vectorised reduction inductor generates streams each row of
     W once at near the `sum()` bandwidth. Inductor's own table decomposes mm this way only on GPUs.
-    The FX-graph and AOT caches are off for this compile: their keys do not include a decomposition
-    table, so a cached default-inductor graph of the same step could be served instead.
+    Caches across processes: inductor's FX-graph cache is ON. Its key hashes the graph inductor gets,
+    which is the graph AFTER our decompositions (one-row mm already a multiply-and-sum), the config
+    patches below and the name of the decomposition function, so a default-inductor graph of the same step
+    has another key. AOTAutograd's cache stays off: its key hashes the graph BEFORE decomposition, so it
+    could hand back a default-inductor artifact for our step (the reason both were off before).
 
     With int8 weights (quantize.py) the graph also gets a low `realize_cpu_opcount_threshold`:
     by default inductor inlines a reduction's producer (the LayerNorm before a linear) and recomputes
@@ -207,18 +226,30 @@ def _cpu_decode_backend(gm, example_inputs):
     loop (measured, GPT-2 small int8 step: 15.8 ms inlined, 6.6 ms with the input stored once). With
     fp32 weights the inlined form is the faster one (6x384 step: 2.9 ms against 4.8 ms), and so it is for
     int4's packed uint8 weights (measured 3.5x slower stored: its unpacking already dominates), so they keep it."""
+    from unittest import mock
+
     from torch._functorch import config as functorch_config
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor import compile_fx as compile_fx_module
+
+    options = {"fx_graph_cache": True}
+    if any(isinstance(t, torch.Tensor) and t.dtype == torch.int8 for t in example_inputs):
+        options["realize_cpu_opcount_threshold"] = 4  # int8 weights: store each linear's input once
+    # The table goes in as compile_fx's `select_decomp_table` for this call, not as `decompositions=`: a
+    # dict passed there becomes part of the FX-graph cache key, and inductor's default table holds objects
+    # that cannot be pickled for a key (DispatchKey), so every compile bypassed the cache (measured).
+    # A module-level function is pickled by name instead.
+    with functorch_config.patch(enable_autograd_cache=False), \
+            mock.patch.object(compile_fx_module, "select_decomp_table", decode_decompositions):
+        return compile_fx_module.compile_fx(gm, example_inputs, config_patches=options)
+
+
+def decode_decompositions() -> dict:
+    """inductor's decomposition table plus the three one-row rules above."""
     from torch._inductor.decomposition import select_decomp_table
 
     aten = torch.ops.aten
-    table = {**select_decomp_table(), aten.addmm.default: _one_row_addmm, aten.mm.default: _one_row_mm,
-             aten._scaled_dot_product_flash_attention_for_cpu.default: _one_query_attention}
-    options = {"fx_graph_cache": False}
-    if any(isinstance(t, torch.Tensor) and t.dtype == torch.int8 for t in example_inputs):
-        options["realize_cpu_opcount_threshold"] = 4  # int8 weights: store each linear's input once
-    with functorch_config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, config_patches=options, decompositions=table)
+    return {**select_decomp_table(), aten.addmm.default: _one_row_addmm, aten.mm.default: _one_row_mm,
+            aten._scaled_dot_product_flash_attention_for_cpu.default: _one_query_attention}
 
 
 def compiled_decode_step(device: torch.device | str) -> Callable:
@@ -236,3 +267,15 @@ def compiled_decode_step(device: torch.device | str) -> Callable:
         else:
             _COMPILED[kind] = torch.compile(_decode_one, backend=_cpu_decode_backend, fullgraph=True, dynamic=False)
     return _COMPILED[kind]
+
+
+def step_without_guards(step: Callable, model, token: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+    """The compiled step, skipping dynamo's guard checks (all but those that tell its graphs apart).
+
+    Every call first checks dynamo's guards (each weight and slab's dtype, shape and strides, the modules'
+    attributes) and looks the graph up. Inside one generate() call they cannot fail from the second step on: the
+    same model and cache objects come back with new values only, and the first step checked them all.
+    So generate() runs steps 2, 3, ... this way; only this call is affected (a stream callback or user
+    code between steps keeps its guards)."""
+    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+        return step(model, token, cache)

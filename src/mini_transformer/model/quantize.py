@@ -14,13 +14,17 @@ y[n] = sum_k x[k] w[n, k] the error is therefore at most sum_k |x[k]| * s[n, gro
     quantize(model, "int4", group_size=64)
     model.save_pretrained(path); TransformerLM.from_pretrained(path)   # writes quantization.json; comes back quantized
 
-How the matmul reads the small weights, three ways (the same numbers up to float rounding):
-  * inside a compiled decode step (a few rows): written as multiply-and-sum over the input dimension,
-    which inductor fuses into ONE reduction kernel that reads the int8 / packed int4 bytes directly;
+How the matmul reads the small weights:
+  * int8, inside a compiled decode step (a few rows): written as multiply-and-sum over the input
+    dimension, which inductor fuses into ONE reduction kernel that reads the int8 bytes directly;
+    otherwise (eager, prefill) dequantize, then F.linear;
+  * int4, every row alike: the activations rounded to int8 per group and integer dot products with the
+    packed codes (gemv_kernels.py: a C++ AVX512-VNNI kernel, or its PyTorch reference) - never a
+    dequantized weight in memory, and the same numbers eager, compiled, alone or in any batch;
   * `packed_kernels=True`: PyTorch's packed kernels (`aten._weight_int8pack_mm`, on the CPU
-    `aten._weight_int4pack_mm_for_cpu`). They run on this project's CPU build but measured 13-50x slower
-    than the fp32 matmul at batch 1 (docs/08), so they are opt-in;
-  * otherwise (eager, prefill): dequantize, then F.linear.
+    `aten._weight_int4pack_mm_for_cpu`). They run on this project's CPU build but at batch 1 measured
+    13-50x slower than the fp32 matmul (int8) and ~170x slower than our int4 kernel (docs/08), so they
+    are opt-in.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._checks import choice, integer
+from .gemv_kernels import int4_gemv_reference, kernel_available, kernel_groups_ok
 
 MODES = ("int8", "int4")
 FUSED_MAX_ROWS = 8  # a compiled step with at most this many rows (batch x tokens) uses the fused reduction
@@ -101,22 +106,6 @@ def int8_rowwise(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torc
     return (x[:, None, :] * q.to(x.dtype)).sum(dim=-1) * scales.to(x.dtype)  # (M, N, K) -> (M, N)
 
 
-def int4_rowwise(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int):
-    """x (M, K) float, packed (N, K/2) uint8 (pack_nibbles), scales_and_zeros (G, N, 2) -> (M, N).
-    Each group of the input is split into its even and odd columns (the low and high nibbles of the
-    same bytes), so the 4-bit values are never interleaved back: one fused reduction under compile."""
-    M, K = x.shape
-    N, G = packed.shape[0], K // group_size
-    nibbles = packed.view(N, G, group_size // 2)
-    scale = scales_and_zeros[..., 0].T[..., None].to(x.dtype)  # (N, G, 1)
-    zero = scales_and_zeros[..., 1].T[..., None].to(x.dtype)
-    w_even = ((nibbles & 0xF).to(x.dtype) - 8) * scale + zero  # (N, G, group/2): columns 0, 2, 4, ...
-    w_odd = ((nibbles >> 4).to(x.dtype) - 8) * scale + zero  # columns 1, 3, 5, ...
-    x_even = x[:, 0::2].reshape(M, 1, G, group_size // 2)
-    x_odd = x[:, 1::2].reshape(M, 1, G, group_size // 2)
-    return (x_even * w_even + x_odd * w_odd).sum(dim=(-1, -2))  # (M, N, G, group/2) -> (M, N)
-
-
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """(N, K) values in [0, 15] -> (N, K/2) uint8: column 2j in the low half of byte j, 2j+1 in the high."""
     q = q.to(torch.uint8)
@@ -149,6 +138,10 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
         self.register_buffer("kernel_weight", None, persistent=False)
         self.register_buffer("kernel_scales_and_zeros", None, persistent=False)
+        # (N, G) each, for the int4 x int8 GEMV of decode rows (gemv_kernels.py); rebuilt by repack(), not saved
+        self.register_buffer("gemv_scale", None, persistent=False)
+        self.register_buffer("gemv_low", None, persistent=False)
+        self.gemv_kernel = False  # a plain attribute (a compiled step sees a constant): the C++ kernel built
         self.register_load_state_dict_post_hook(lambda module, _keys: module.repack())
 
     @classmethod
@@ -169,9 +162,14 @@ class Int4Linear(nn.Module):
         return layer
 
     def repack(self) -> None:
-        """Build the CPU kernel's own packing of the weight, if that kernel runs here. It takes groups of
-        32, 64, 128 or 256 and N divisible by 16: other N (GPT-2's 50257-word head) get zero rows up to
-        the next multiple of 16, and the output is cut back to N."""
+        """The decode GEMV's (N, G) scales and group minimums; and, with use_kernel, aten's CPU kernel's
+        own packing of the weight, if that kernel runs here. It takes groups of 32, 64, 128 or 256 and N
+        divisible by 16: other N (GPT-2's 50257-word head) get zero rows up to the next multiple of 16,
+        and the output is cut back to N."""
+        scale, zero = self.scales_and_zeros.transpose(0, 1).unbind(-1)  # (N, G) each
+        self.gemv_scale, self.gemv_low = scale.contiguous(), (zero - 8 * scale).contiguous()
+        self.gemv_kernel = self.weight.device.type == "cpu" and kernel_groups_ok(self.group_size) \
+            and kernel_available()
         self.kernel_weight = self.kernel_scales_and_zeros = None
         if not self.use_kernel or self.weight.device.type != "cpu" or self.group_size not in (32, 64, 128, 256) \
                 or not _kernel_works("int4", "cpu"):
@@ -188,17 +186,20 @@ class Int4Linear(nn.Module):
         return ((q - 8) * scale[..., None] + zero[..., None]).view(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if torch.compiler.is_compiling() and rows <= FUSED_MAX_ROWS:
-            y = int4_rowwise(_flat(x), self.weight, self.scales_and_zeros, self.group_size)
-            y = y.view(*x.shape[:-1], self.out_features)
-        elif self.kernel_weight is not None and x.device.type == "cpu":
+        if self.kernel_weight is not None and x.device.type == "cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 _flat(x), self.kernel_weight, self.group_size, self.kernel_scales_and_zeros.to(x.dtype))
             y = y[:, :self.out_features].reshape(*x.shape[:-1], self.out_features)  # (M, N + pad) -> (..., N)
-        else:
-            y = F.linear(x, self.dequantize().to(x.dtype))
+        else:  # every row alike (eager, compiled, prefill, any batch): int8 activations x int4 weights
+            y = self.gemv(_flat(x).float()).to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def gemv(self, x: torch.Tensor) -> torch.Tensor:
+        """(M, K) float32 -> (M, N): gemv_kernels.py's arithmetic, by the C++ kernel where it built."""
+        scale, low = self.gemv_scale.float(), self.gemv_low.float()  # no-ops unless the model was cast after
+        if self.gemv_kernel and x.device.type == "cpu":
+            return torch.ops.mt_gemv.int4(x, self.weight, scale, low, self.group_size)
+        return int4_gemv_reference(x, self.weight, scale, low, self.group_size)
 
 
 def quantize(model: nn.Module, mode: str, group_size: int = 64, *, packed_kernels: bool = False) -> nn.Module:
