@@ -32,6 +32,7 @@ from .model_runner import ModelRunner, bytes_per_block
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
 from .snapshot import EngineSnapshot
+from .structured import GrammarError, StructuredOutputManager
 
 
 def _positive_int(name: str, value) -> int:
@@ -69,11 +70,14 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         *,
         eos_token_id: int | None = None,
+        tokenizer=None,
     ):
         """`num_blocks` KV blocks of `block_size` tokens; or as many as fit in `kv_cache_bytes`; or, with
         neither, a share of memory (capped at what max_num_seqs full-length sequences could use).
         `eos_token_id` ends a request unless its SamplingParams say ignore_eos. The model is put in eval
-        mode (the engine only runs inference) and is used as it is: its device and dtype are the pool's."""
+        mode (the engine only runs inference) and is used as it is: its device and dtype are the pool's.
+        `tokenizer` (a CharTokenizer or byte-level BPETokenizer) is needed only by requests with
+        SamplingParams.structured: the grammar's token masks are built from its vocabulary."""
         if not isinstance(model, TransformerLM):
             raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
         cfg = model.config
@@ -107,6 +111,8 @@ class LLMEngine:
         self.config = cfg
         self.block_size, self.num_blocks = block_size, num_blocks
         self.eos_token_id = eos_token_id
+        self.tokenizer = tokenizer
+        self._structured: StructuredOutputManager | None = None  # built at the first constrained request
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(model, num_blocks, block_size)
@@ -139,6 +145,8 @@ class LLMEngine:
         elif not isinstance(request_id, str) or request_id in self.requests:
             raise ValueError(f"request_id={request_id!r} must be a string not used by an unfinished request")
         seq = Sequence(request_id, prompt, params, stops, arrival=next(self._arrivals), device=self.runner.device)
+        if params.structured is not None:
+            seq.grammar = self.structured_output.matcher(params.structured)
         self.requests[request_id] = seq
         return seq
 
@@ -169,7 +177,25 @@ class LLMEngine:
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > cfg.vocab_size:
                 raise InvalidRequest(name, f"{name}={getattr(params, name)} exceeds the vocabulary ({cfg.vocab_size})")
+        if params.structured is not None:
+            try:
+                self.structured_output.compile(params.structured)  # cached: add_request's matcher reuses it
+            except GrammarError as err:
+                raise InvalidRequest(err.argument, str(err)) from None
         return prompt, stops
+
+    @property
+    def structured_output(self) -> StructuredOutputManager:
+        """The grammar compiler over this engine's vocabulary (xgrammar is imported on first use)."""
+        if self._structured is None:
+            with self._lock:
+                if self.tokenizer is None:
+                    raise GrammarError("structured", "structured output needs the engine's tokenizer: "
+                                                     "LLMEngine(model, tokenizer=...)")
+                if self._structured is None:
+                    self._structured = StructuredOutputManager(self.tokenizer, self.config.vocab_size,
+                                                               self.eos_token_id)
+        return self._structured
 
     def _prompt_list(self, prompt_token_ids) -> list[int]:
         if isinstance(prompt_token_ids, torch.Tensor):
@@ -276,7 +302,7 @@ class LLMEngine:
         seq.num_computed_tokens += num_new
         if token is None:
             return None
-        seq.append_token(token)
+        added = seq.append_token(token)
         if seq.is_finished:
             self.scheduler.finish(seq)
             del self.requests[seq.request_id]
@@ -285,7 +311,8 @@ class LLMEngine:
         prompt_logprobs = None
         if seq.needs_prompt_logprobs:  # complete by now: the first token needed the whole prompt computed
             prompt_logprobs, seq.prompt_logprobs_sent = tuple(seq.prompt_logprobs), True
-        return RequestOutput(seq.request_id, [token], seq.is_finished, seq.finish_reason, logprobs, prompt_logprobs)
+        new = [token] if added else []  # a token the grammar refused ends the request without it
+        return RequestOutput(seq.request_id, new, seq.is_finished, seq.finish_reason, logprobs, prompt_logprobs)
 
     # ----------------------------------------------------------------------------------- generate
     def generate(self, prompts: Seq, params: SamplingParams | Seq[SamplingParams] | None = None, *,

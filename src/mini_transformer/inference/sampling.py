@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import non_negative_int, number
+from .structured import StructuredOutput
 
 
 def _is_number(value: object) -> bool:
@@ -77,6 +78,9 @@ class SamplingParams:
     any penalty, bias or temperature -- vLLM's default):
       logprobs         N: each new token's logprob and the N most likely alternatives (0: the token's only)
       prompt_logprobs  N: the same for every prompt token but the first
+    Structured output (engine only): `structured`, a StructuredOutput (JSON schema, JSON object, regex,
+    choice or EBNF grammar); each step masks the tokens the grammar cannot take next. The grammar decides
+    where the output ends, so it does not combine with ignore_eos or min_tokens.
     """
 
     temperature: float = 0.0
@@ -94,6 +98,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         for name, (is_type, type_text, is_valid, values_text) in _RULES.items():
@@ -111,6 +116,12 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise TypeError(f"structured={self.structured!r} must be a StructuredOutput or None")
+            if self.ignore_eos or self.min_tokens:
+                raise ValueError("structured output ends where the grammar does: it cannot be combined with "
+                                 f"ignore_eos={self.ignore_eos} or min_tokens={self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
