@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..inference.sampling import SamplingParams
+from ..inference.sampling import SamplingParams, sorted_descending, top_p_cut
 from .sequence import Sequence, TokenLogprob
 from .structured import GrammarMasks
 
@@ -139,16 +139,13 @@ def filtered(x: torch.Tensor, values: torch.Tensor, use: set[str]) -> torch.Tens
     with each row's own values; `use` names the filters some row needs (the others are skipped)."""
     x = x / values[:, 0:1]  # (S, V)
     if "top_k" in use or "top_p" in use:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)  # (S, V), one sort serves both filters
+        sorted_x = sorted_descending(x)  # (S, V), one sort of the values serves both cuts
         if "top_k" in use:
             kth = sorted_x.gather(1, values[:, 1:2].long() - 1)  # (S, 1): the k-th largest logit
             x = x.masked_fill(x < kth, float("-inf"))
             sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
         if "top_p" in use:
-            probs = torch.softmax(sorted_x, dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs  # (S, V): the mass ranked above each token
-            drop_sorted = mass_before >= values[:, 2:3]
-            x = x.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+            x = x.masked_fill(x < top_p_cut(sorted_x, values[:, 2:3]), float("-inf"))
     if "min_p" in use:
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < values[:, 3:4] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
@@ -159,13 +156,13 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch
     """(S, V) probabilities -> (S,) ids by sampling.draw_from_probs's exponential race; a row with a
     generator draws its noise from it (the same draws as sample_next on that row alone), the others
     share one draw from torch's global generator."""
-    race = torch.empty_like(probs)
+    race = torch.empty_like(probs, dtype=torch.float32)
     if any(g is None for g in generators):
-        race.exponential_(1.0)
+        race.uniform_()
     for row, generator in enumerate(generators):
         if generator is not None:
-            race[row].exponential_(1.0, generator=generator)
-    return (probs / race).argmax(dim=-1)
+            race[row].uniform_(generator=generator)
+    return (probs / race.log_().neg_()).argmax(dim=-1)  # -log(U) ~ Exp(1), as sampling.exponential_noise
 
 
 def filters_used(params: SamplingParams, vocab_size: int) -> set[str]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .._checks import non_negative_int, number
@@ -166,19 +167,34 @@ def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return logits.masked_fill(logits < kth_largest, float("-inf"))
 
 
-def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Nucleus: keep the smallest set of most likely tokens whose probabilities sum to >= top_p.
+def sorted_descending(logits: torch.Tensor) -> torch.Tensor:
+    """(B, V) -> (B, V): each row's values, largest first.
 
-    Sorted by probability, a token is dropped when the tokens before it already reach top_p, so the
-    token that crosses top_p is kept (and the most likely token always is)."""
+    The filters need the sorted values only (top-k's and top-p's cuts are thresholds), not the order.
+    On the CPU numpy sorts values alone and shares the tensor's memory; torch.sort also builds the
+    permutation and was 10-20x slower for 64 x 8192 floats on one thread here (226 ms against 10 ms)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
+        return torch.from_numpy(np.sort(logits.numpy(), axis=-1)[:, ::-1].copy())
+    return torch.sort(logits, dim=-1, descending=True).values
+
+
+def top_p_cut(sorted_logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """(B, V) logits sorted descending -> (B, 1) the smallest logit the nucleus keeps.
+
+    A token is kept while the tokens ranked above it hold less than top_p, so the token that crosses
+    top_p is kept, and the most likely token always is. top_p: a float or a (B, 1) tensor."""
+    probs = torch.softmax(sorted_logits.float(), dim=-1)  # (B, V)
+    mass_before = probs.cumsum(dim=-1) - probs  # (B, V): probability of the tokens ranked above
+    n_kept = (mass_before < top_p).sum(dim=-1, keepdim=True)  # (B, 1), >= 1: mass_before[0] = 0
+    return sorted_logits.gather(-1, n_kept - 1)
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus: keep the smallest set of most likely tokens whose probabilities sum to >= top_p (and
+    any token tied with the last one kept, as top_k_filter keeps ties), set the rest to -inf."""
     if top_p == 1.0:
         return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
-    sorted_probs = torch.softmax(sorted_logits.float(), dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V): probability of the tokens ranked above
-    drop_sorted = mass_before >= top_p
-    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
-    return logits.masked_fill(drop, float("-inf"))
+    return logits.masked_fill(logits < top_p_cut(sorted_descending(logits), top_p), float("-inf"))
 
 
 def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
@@ -209,8 +225,13 @@ def draw_from_probs(weights: torch.Tensor, generator: torch.Generator | None = N
     (the smallest E_i / w_i wins, and E_i / w_i ~ Exp(w_i)), so the weights need not be normalised.
     Unlike torch.multinomial it never waits for the device, so a GPU decode loop runs without a sync
     (gpt-fast samples the same way)."""
-    race = torch.empty_like(weights).exponential_(1.0, generator=generator)  # (B, V)
-    return (weights / race).argmax(dim=-1)  # (B,)
+    return (weights / exponential_noise(weights, generator)).argmax(dim=-1)  # (B,)
+
+
+def exponential_noise(like: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Exp(1) draws shaped like `like`, as -log(U) with U uniform: on the CPU 5x faster than
+    Tensor.exponential_ (measured: 64 x 8192, one thread). U = 0 gives +inf, a token that loses the race."""
+    return torch.empty_like(like, dtype=torch.float32).uniform_(generator=generator).log_().neg_()
 
 
 def sample_from(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
