@@ -33,6 +33,7 @@ from .engine_loop import EngineLoop
 from .generation import ClientGone, Generation
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from .structured import check_structured
 from .text import TextCodec
 
 STATIC = Path(__file__).parent / "static"
@@ -111,7 +112,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
                 raise ErrorResponse(400, f"{name} is not supported by this server", param=name)
         prompts = _completion_prompts(ctx, body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
-        params = [[body.sampling_params(max_tokens, j) for j in range(body.n)] for _ in prompts]
+        structured = check_structured(ctx.engine_loop.engine, body)
+        params = [[body.sampling_params(max_tokens, j, structured) for j in range(body.n)] for _ in prompts]
         for i, prompt in enumerate(prompts):
             _check_with_engine(ctx, prompt, params[i][0], "prompt" if i == 0 else f"prompt[{i}]")
         gen = Generation(ctx.engine_loop, ctx.codec, prompts, params, body.stop_strings())
@@ -127,7 +129,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # OpenAI's default: as much as the context leaves
             max_tokens = max(1, min(ctx.max_model_len, ctx.pool_tokens) - len(prompt))
-        params = [[body.sampling_params(max_tokens, j) for j in range(body.n)]]
+        structured = check_structured(ctx.engine_loop.engine, body)
+        params = [[body.sampling_params(max_tokens, j, structured) for j in range(body.n)]]
         _check_with_engine(ctx, prompt, params[0][0], "messages")
         gen = Generation(ctx.engine_loop, ctx.codec, [prompt], params, body.stop_strings())
         return await _respond(gen, body, request, ctx, chat=True)

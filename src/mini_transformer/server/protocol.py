@@ -52,6 +52,12 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # structured output (server/structured.py): OpenAI's response_format, vLLM's guided_* fields
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -61,7 +67,7 @@ class _SamplingFields(BaseModel):
             raise ErrorResponse(400, f"stop has {len(stops)} strings; at most 4 are allowed", param="stop")
         return stops
 
-    def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, choice: int, structured=None) -> SamplingParams:
         """One choice's SamplingParams: choice j of a seeded request draws with seed + j, so the n
         choices differ from each other and each is reproducible. EOS is not among the stop ids here:
         the engine was given the tokenizer's EOS and adds it (unless ignore_eos)."""
@@ -73,6 +79,7 @@ class _SamplingFields(BaseModel):
                 top_p=self.top_p, min_p=self.min_p or None, repetition_penalty=self.repetition_penalty,
                 max_tokens=max_tokens, stop_token_ids=stops,
                 ignore_eos=self.ignore_eos, seed=None if self.seed is None else self.seed + choice,
+                structured=structured,
             )
         except (TypeError, ValueError) as err:
             raise ErrorResponse(400, str(err)) from None
