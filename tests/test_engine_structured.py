@@ -212,6 +212,17 @@ def test_preemption_and_prefix_hits_keep_the_matcher_consistent(model, tokenizer
         assert reason == "stop" and valid(q.structured, tokenizer.decode(output[:-1]))
 
 
+def test_the_mask_filled_during_or_after_the_forward_gives_the_same_tokens(model, tokenizer):
+    params = [SamplingParams(max_tokens=30, temperature=1.0, seed=s, structured=StructuredOutput(json_schema=SCHEMA))
+              for s in range(4)] + [SamplingParams(max_tokens=30, temperature=1.0, seed=9)]
+    overlapped = make_engine(model, tokenizer)
+    serial = make_engine(model, tokenizer)
+    serial.runner.sampler.grammar.overlap = False
+    prompts = [[1, 2, 3 + i] for i in range(len(params))]
+    assert run(overlapped, prompts, params) == run(serial, prompts, params)
+    assert overlapped.runner.sampler.grammar.timings["steps"] == serial.runner.sampler.grammar.timings["steps"] > 0
+
+
 def test_max_tokens_before_the_grammar_ends_is_length(model, tokenizer):
     params = SamplingParams(max_tokens=3, structured=StructuredOutput(json_schema=SCHEMA))
     [(output, reason)] = run(make_engine(model, tokenizer), [[1, 2]], [params])

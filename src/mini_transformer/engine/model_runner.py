@@ -116,7 +116,7 @@ class ModelRunner:
         batch = PagedBatch(self.kv_cache, torch.tensor([positions], device=self.device), meta)
         prompt = PromptLogprobs.of(scheduled)  # prompt rows get the head only when a request asks for them
         rows = torch.tensor(last_rows + prompt.rows, dtype=torch.long, device=idx.device)
-        self.sampler.grammar.start(samplers)  # constrained rows: their masks fill on a worker during the forward
+        self.sampler.grammar.prepare(samplers)  # constrained rows: their masks fill on a worker during the forward
         logits, _ = self.model(idx, cache=batch, logits_at=rows, check=False)  # (1, M + R, V): those rows only
         M = len(last_rows)
         out = self.sampler.sample(logits[0, :M], samplers) if samplers else None

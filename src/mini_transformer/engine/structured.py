@@ -3,11 +3,11 @@
     manager = StructuredOutputManager(tokenizer, vocab_size, eos_token_id)  # TokenizerInfo + compiler, once
     matcher = manager.matcher(params.structured)   # compiled once per grammar (cached), a matcher per sequence
     masks = GrammarMasks(vocab_size, device)       # in the Sampler
-    masks.start(seqs)          # before the forward: fill the bitmask rows of the constrained sequences
+    masks.prepare(seqs)        # before the forward: start filling the bitmask rows of the constrained sequences
     logits = masks.apply(logits, seqs)             # after it: -inf where the grammar says no
 
 Why the mask can be filled before the forward: it depends only on the tokens a sequence has accepted,
-which are known when the step is planned. So `start` fills it on a worker thread (xgrammar releases the
+which are known when the step is planned. So `prepare` fills it on a worker thread (xgrammar releases the
 GIL) while the model runs, and `apply` usually finds it ready. On a GPU the forward is asynchronous
 anyway; on the CPU the thread is what makes the two overlap.
 
@@ -143,8 +143,9 @@ class StructuredOutputManager:
 class GrammarMasks:
     """The per-step bitmask of the constrained rows, and applying it. Rows without a constraint are not
     touched (a batch without any costs one list comprehension). `timings` adds up, in seconds: `fill`
-    (xgrammar filling the rows, on the worker), `wait` (the sampler blocked on the worker: the part of the
-    fill the forward did not hide), `apply` (the -inf fill on the logits); `steps` counts masked steps."""
+    (xgrammar filling the rows), `wait` (the sampler waiting for the mask: the part of the fill the forward
+    did not hide; all of it when serial), `apply` (the -inf fill on the logits); `steps` counts masked steps.
+    overlap=False fills the mask in apply(), after the forward (the serial way, to measure against)."""
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size, self.device = vocab_size, device
@@ -152,41 +153,46 @@ class GrammarMasks:
         self.pending: Future | None = None
         self._worker: ThreadPoolExecutor | None = None
         self.timings = dict(fill=0.0, wait=0.0, apply=0.0, steps=0)
+        self.overlap = True
 
-    def start(self, seqs: list) -> None:
-        """Begin filling the rows of the constrained sequences among `seqs` (the rows that sample this step)."""
-        rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
-        if not rows:
-            self.pending = None
-            return
-        if self.bitmask is None or self.bitmask.shape[0] < len(seqs):
+    def prepare(self, seqs: list) -> None:
+        """Called before the forward with the sequences that sample this step: start filling their rows."""
+        self.pending = None
+        jobs = self._jobs(seqs) if self.overlap else []
+        if jobs:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+            self.pending = self._worker.submit(self._fill, jobs)
+
+    def _jobs(self, seqs: list) -> list:
+        """(row, matcher) of the constrained rows; the bitmask grown to hold every row of `seqs`."""
+        jobs = [(row, seq.grammar) for row, seq in enumerate(seqs) if seq.grammar is not None]
+        if jobs and (self.bitmask is None or self.bitmask.shape[0] < len(seqs)):
             import xgrammar as xgr
 
             self.bitmask = xgr.allocate_token_bitmask(max(len(seqs), 8), self.vocab_size)
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        self.pending = self._worker.submit(self._fill, [(row, seqs[row].grammar) for row in rows])
+        return jobs
 
-    def _fill(self, matchers) -> list[int]:
+    def _fill(self, jobs) -> list[int]:
         began = time.perf_counter()
-        for row, matcher in matchers:
+        for row, matcher in jobs:
             matcher.fill_next_token_bitmask(self.bitmask, row)
         self.timings["fill"] += time.perf_counter() - began
-        return [row for row, _ in matchers]
+        return [row for row, _ in jobs]
 
     def apply(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
         """(M, V) float logits, rows in the order of `seqs` -> the same tensor, with -inf on every token a
-        constrained row's grammar forbids next. Fills the mask now if start() was not called."""
-        if self.pending is None:
-            self.start(seqs)
-            if self.pending is None:
-                return logits
+        constrained row's grammar forbids next. Without a fill under way (overlap off), fills it now."""
         import xgrammar as xgr
 
         began = time.perf_counter()
-        rows = self.pending.result()
-        self.pending = None
-        applied = time.perf_counter()
+        if self.pending is not None:
+            rows, self.pending = self.pending.result(), None
+        else:
+            rows = self._fill(self._jobs(seqs))  # serial: the whole fill is on the step's path
+            if not rows:
+                return logits
+        ready = time.perf_counter()
         mask = self.bitmask[:len(seqs)]
         if logits.device.type == "cpu":
             xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=rows)
@@ -195,7 +201,7 @@ class GrammarMasks:
             xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=rows,
                                             backend="torch_native")
         done = time.perf_counter()
-        self.timings["wait"] += applied - began
-        self.timings["apply"] += done - applied
+        self.timings["wait"] += ready - began
+        self.timings["apply"] += done - ready
         self.timings["steps"] += 1
         return logits
