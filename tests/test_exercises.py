@@ -11,6 +11,7 @@ import pytest
 from exercise_solutions.broken import BROKEN
 from exercise_solutions.broken_engine import BROKEN_ENGINE
 from exercise_solutions.broken_stages import BROKEN_STAGES
+from exercise_solutions.broken_structured import BROKEN_STRUCTURED
 
 ROOT = Path(__file__).resolve().parents[1]
 EXERCISES = ROOT / "exercises"
@@ -64,7 +65,7 @@ def test_grader_fails_on_the_blank(name, tmp_path):
             check(blank)
 
 
-BROKEN = {**BROKEN, **BROKEN_STAGES, **BROKEN_ENGINE}  # 11-13 (docs/07, 08, 10) and 14-15 (docs/06) apart
+BROKEN = {**BROKEN, **BROKEN_STAGES, **BROKEN_ENGINE, **BROKEN_STRUCTURED}  # 11-13, 14-15 and 17 in files apart
 CASES = [(name, label) for name, variants in BROKEN.items() for label in variants]
 
 

@@ -55,7 +55,10 @@ def byte_level_decoder() -> dict[str, int]:
 
 def token_bytes(tokenizer) -> list[bytes]:
     """Every token's raw bytes, by id: what xgrammar's VocabType.RAW expects. Special tokens other than
-    EOS become b"" (xgrammar never allows an empty token, so the grammar cannot emit them)."""
+    EOS become b"" (xgrammar never allows an empty token, so the grammar cannot emit them). A plain list
+    of token strings (a toy vocabulary, as in exercise 17) is taken as their UTF-8."""
+    if isinstance(tokenizer, list | tuple) and all(isinstance(t, str) for t in tokenizer):
+        return [t.encode("utf-8") for t in tokenizer]
     if getattr(tokenizer, "kind", None) == "char":
         return [c.encode("utf-8") for c in tokenizer.chars]
     if getattr(tokenizer, "kind", None) != "bpe":
