@@ -256,6 +256,47 @@ def tiled_schedule() -> None:
     save(fig, "04-tiled-schedule.png")
 
 
+# ------------------------------------------------------------------------------------------ 11
+def kv_store_replicas() -> None:
+    """Two serving replicas and the shared store: A saves full blocks, B loads the prefix instead of computing it."""
+    fig, ax = plt.subplots(figsize=(10.5, 4.6))
+    ax.set_axis_off()
+
+    def box(x, y, w, h, colour, title):
+        ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.15", fc=colour,
+                                    ec="black", lw=0.8))
+        ax.text(x + w / 2, y + h - 0.25, title, ha="center", va="top", fontsize=9.5)
+
+    def blocks(x, y, colours, labels=None):
+        for i, colour in enumerate(colours):
+            ax.add_patch(Rectangle((x + 0.42 * i, y), 0.38, 0.38, fc=colour, ec="black", lw=0.5))
+            if labels:
+                ax.text(x + 0.42 * i + 0.19, y + 0.19, labels[i], ha="center", va="center", fontsize=7)
+
+    for x, name, prefix_colour, note in ((0.0, "副本 A（先收到请求）", BLUE, "算了整段 prompt"),
+                                         (7.0, "副本 B（后收到同前缀的请求）", YELLOW, "前缀从 Redis 载入，只算尾巴")):
+        box(x, 0.4, 3.6, 3.7, "#f4f4f4", name)
+        ax.text(x + 0.2, 3.25, "设备上的块池（GPU 显存 / CPU 内存）", fontsize=8.5)
+        blocks(x + 0.2, 2.7, [prefix_colour] * 4 + [ORANGE], ["0", "1", "2", "3", "尾"])
+        ax.text(x + 0.2, 2.35, note, fontsize=8, color="#444444")
+        ax.text(x + 0.2, 1.7, "HostTier：本进程内存里的 LRU", fontsize=8.5)
+        blocks(x + 0.2, 1.15, [prefix_colour] * 4)
+        ax.text(x + 0.2, 0.7, "KVConnector：lookup → load，save（写后台）", fontsize=8)
+    box(4.0, 0.9, 2.6, 2.4, "#fdecea", "Redis（两个副本共用）")
+    blocks(4.45, 1.9, [BLUE] * 4, ["0", "1", "2", "3"])
+    ax.text(5.3, 1.3, "键 = 模型指纹 + 链式哈希\n值 = 各层 K/V + token id + 校验和", ha="center", fontsize=7.5)
+    ax.annotate("", (4.1, 2.1), (3.6, 2.9), arrowprops=dict(arrowstyle="->", color=BLUE, lw=1.6))
+    ax.text(5.3, 3.95, "save：A 把算完的满块写进去", fontsize=8.5, color=BLUE, ha="center")
+    ax.annotate("", (7.0, 2.9), (6.5, 2.1), arrowprops=dict(arrowstyle="->", color="#c0392b", lw=1.6))
+    ax.text(5.3, 3.6, "load：B 校验之后拷进自己的块池", fontsize=8.5, color="#c0392b", ha="center")
+    legend = [Patch(fc=colour, ec="black", label=label) for colour, label in (
+        (BLUE, "A 算出的前缀块"), (YELLOW, "B 从 Redis 载入的同一批块"), (ORANGE, "各自的尾巴（不同，本地计算）"))]
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, 0.02), ncol=3, fontsize=8.5, frameon=False)
+    ax.set(xlim=(-0.2, 10.8), ylim=(0.0, 4.3))
+    ax.set_title("两个服务副本共用一个 KV 存储：查找顺序 块池 → 本机内存 → Redis，每次命中都先校验", fontsize=10)
+    save(fig, "11-kv-store.png")
+
+
 # ------------------------------------------------------------------- benchmark figures, from the pages' tables
 def page_table(page: str, header_start: str) -> list[list[str]]:
     """The body rows of the first markdown table in docs/<page> whose header row starts with header_start."""
@@ -343,5 +384,6 @@ if __name__ == "__main__":
     kv_slab()
     online_softmax()
     tiled_schedule()
+    kv_store_replicas()
     redraw_benchmark_figures()
     draw_systems_figures()

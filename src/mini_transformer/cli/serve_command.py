@@ -15,6 +15,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued beyond that before 429")
+    p.add_argument("--kv-store", metavar="URL", help="share KV blocks with other replicas in Redis, e.g. "
+                   "redis://127.0.0.1:6379 (see docs/11-kv-store.md)")
+    p.add_argument("--host-kv-bytes", type=int, metavar="N", help="keep up to N bytes of KV blocks in host "
+                   "memory behind the pool (an LRU tier in front of --kv-store)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=_run_serve)
@@ -28,7 +32,8 @@ def _run_serve(args) -> None:
     ctx = build_context(args.checkpoint, model_name=args.model_name, api_key=args.api_key,
                         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_waiting=args.max_waiting, device=args.device)
+                        max_waiting=args.max_waiting, device=args.device, kv_store=args.kv_store,
+                        host_kv_bytes=args.host_kv_bytes)
     print(f"serving {ctx.model_name!r} on http://{args.host}:{args.port} (live page at /, API under /v1)",
           flush=True)
     serve(ctx, host=args.host, port=args.port, log_level=args.log_level)

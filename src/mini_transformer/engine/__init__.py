@@ -10,11 +10,15 @@ vLLM's names, one small file each:
   llm_engine.py     LLMEngine: add_request / step / abort / generate / stats / snapshot
   snapshot.py       EngineSnapshot: a frozen picture of the queues and the pool, for a server
   handoff.py        KVHandoff: a prefilled request moved to another engine (prefill/decode disaggregation)
+  kv_connector.py   KVConnector: full blocks kept behind the pool and shared by replicas (lookup, load, save)
+  kv_tiers.py       HostTier (an LRU in host memory), RedisTier (a Redis server): where those blocks live
 """
 
 from ..inference.sampling import SamplingParams
 from .block_manager import BlockManager
 from .handoff import KVHandoff
+from .kv_connector import KVConnector
+from .kv_tiers import HostTier, RedisTier
 from .llm_engine import InvalidRequest, LLMEngine
 from .model_runner import ModelRunner, PagedBatch
 from .sampler import Sampler
@@ -22,6 +26,6 @@ from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
 from .snapshot import EngineSnapshot, RequestSnapshot
 
-__all__ = ["BlockManager", "EngineSnapshot", "InvalidRequest", "KVHandoff", "LLMEngine", "ModelRunner", "PagedBatch",
-           "RequestOutput", "RequestSnapshot", "Sampler", "SamplingParams", "Scheduler", "SchedulerOutput", "Sequence",
-           "SequenceStatus", "TokenLogprob"]
+__all__ = ["BlockManager", "EngineSnapshot", "HostTier", "InvalidRequest", "KVConnector", "KVHandoff", "LLMEngine",
+           "ModelRunner", "PagedBatch", "RedisTier", "RequestOutput", "RequestSnapshot", "Sampler", "SamplingParams",
+           "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus", "TokenLogprob"]

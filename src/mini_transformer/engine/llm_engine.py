@@ -28,6 +28,7 @@ from ..model.transformer import TransformerLM
 from . import handoff
 from .block_manager import BlockManager, blocks_for
 from .handoff import KVHandoff
+from .kv_connector import KVConnector
 from .model_runner import ModelRunner, bytes_per_block
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
@@ -70,12 +71,15 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         *,
         eos_token_id: int | None = None,
+        kv_connector: KVConnector | None = None,
         tokenizer=None,
     ):
         """`num_blocks` KV blocks of `block_size` tokens; or as many as fit in `kv_cache_bytes`; or, with
         neither, a share of memory (capped at what max_num_seqs full-length sequences could use).
         `eos_token_id` ends a request unless its SamplingParams say ignore_eos. The model is put in eval
         mode (the engine only runs inference) and is used as it is: its device and dtype are the pool's.
+        `kv_connector` (engine/kv_connector.py) keeps full blocks in tiers behind the pool (host memory,
+        Redis) and loads them back for any engine serving the same weights.
         `tokenizer` (a CharTokenizer or byte-level BPETokenizer) is needed only by requests with
         SamplingParams.structured: the grammar's token masks are built from its vocabulary."""
         if not isinstance(model, TransformerLM):
@@ -106,6 +110,8 @@ class LLMEngine:
                     raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is smaller than one block "
                                      f"({block_bytes} bytes at block_size={block_size})")
         _positive_int("num_blocks", num_blocks)
+        if kv_connector is not None and not isinstance(kv_connector, KVConnector):
+            raise TypeError(f"kv_connector must be a KVConnector, got {type(kv_connector).__name__}")
 
         self.model = model.eval()
         self.config = cfg
@@ -114,8 +120,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self._structured: StructuredOutputManager | None = None  # built at the first constrained request
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(model, num_blocks, block_size)
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.bind(model, self.runner.kv_cache, block_size)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, kv_connector)
         self.requests: dict[str, Sequence] = {}  # unfinished requests by id
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -123,7 +132,7 @@ class LLMEngine:
         self.counters = dict(steps=0, prefill_tokens_computed=0, decode_tokens_computed=0,
                              prefix_cache_hit_tokens=0, preemptions=0, requests_finished=0,
                              requests_aborted=0, requests_handed_off=0, max_batched_tokens_seen=0,
-                             mixed_steps=0)
+                             mixed_steps=0, kv_store_hit_tokens=0)
 
     # ----------------------------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -269,6 +278,7 @@ class LLMEngine:
             plan = self.scheduler.schedule()
             self.counters["preemptions"] += len(plan.preempted)
             self.counters["prefix_cache_hit_tokens"] += plan.prefix_cache_hit_tokens
+            self.counters["kv_store_hit_tokens"] += plan.kv_store_hit_tokens
             if not plan.scheduled:
                 assert not self.scheduler.has_unfinished(), "the scheduler made no progress"
                 return []
@@ -277,6 +287,8 @@ class LLMEngine:
             except Exception:
                 self._fail(plan.scheduled)
                 raise
+            if self.kv_connector is not None:  # the blocks this pass completed, before _update counts them
+                self.kv_connector.save(plan.scheduled)
             self.counters["steps"] += 1
             prefilling = [seq.num_computed_tokens < seq.num_prompt_tokens for seq, _ in plan.scheduled]
             self.counters["mixed_steps"] += any(prefilling) and not all(prefilling)  # prefill beside decode
@@ -364,13 +376,16 @@ class LLMEngine:
                 kv_bytes_holding_tokens=self._slots_holding_tokens() * block_bytes // self.block_size,
                 num_waiting=len(self.scheduler.waiting),
                 num_running=len(self.scheduler.running),
+                **({} if self.kv_connector is None
+                   else {f"kv_store_{k}": v for k, v in self.kv_connector.stats().items()}),
             )
 
     def snapshot(self) -> EngineSnapshot:
         """The queues, each request's block table, the pool block by block and stats(), all from one
         moment (taken under the lock), as plain frozen data for a server's metrics and live page."""
         with self._lock:
-            return EngineSnapshot.of(self.scheduler, self.block_manager, self.stats())
+            tiers = None if self.kv_connector is None else self.kv_connector.block_tiers(self.block_manager.blocks)
+            return EngineSnapshot.of(self.scheduler, self.block_manager, self.stats(), tiers)
 
     def _slots_holding_tokens(self) -> int:
         """Slots of in-use blocks that hold a computed token (a shared block counts once)."""

@@ -13,6 +13,9 @@ One step:
      the first that does not fit stops the loop, so nobody overtakes it. A step that preempted admits
      nobody (the pool is short already).
 
+With a KV connector (kv_connector.py), a waiting sequence's lookup goes on past the device pool: the
+full blocks a store tier holds next are allocated and loaded like cached blocks, and count as computed.
+
 No starvation: a request that could never fit in the pool is refused when it is added, the oldest
 running sequence is never preempted by a newer one, and a preempted sequence goes back to the FRONT of
 the queue.
@@ -32,6 +35,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute)
     preempted: list[Sequence] = field(default_factory=list)
     prefix_cache_hit_tokens: int = 0  # tokens the sequences admitted this step found in the cache
+    kv_store_hit_tokens: int = 0  # tokens they loaded from the KV connector's tiers
 
     @property
     def num_batched_tokens(self) -> int:
@@ -39,8 +43,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 kv_connector=None):
         self.block_manager = block_manager
+        self.kv_connector = kv_connector
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -84,15 +90,23 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        manager = self.block_manager
+        manager, connector, bs = self.block_manager, self.kv_connector, self.block_manager.block_size
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = manager.find_cached_blocks(seq)
-            num_new = min(seq.num_tokens - len(cached) * manager.block_size, budget)
-            if not manager.can_admit(seq, cached, num_new):
+            stored = connector.lookup(seq, len(cached)) if connector is not None else 0  # blocks a tier gives
+            num_new = min(seq.num_tokens - (len(cached) + stored) * bs, budget)
+            if not manager.can_admit(seq, cached, stored * bs + num_new):
                 break  # FCFS: the head of the queue waits for room, and so does everyone behind it
             self.waiting.popleft()
             manager.admit(seq, cached)
+            if stored:  # fresh blocks for the stored run, filled from the tier: computed without a forward pass
+                allocated = manager.allocate_slots(seq, stored * bs)
+                assert allocated, "can_admit promised room"
+                loaded = seq.block_table[len(cached):]
+                connector.load(seq, loaded, [manager.blocks[b].generation for b in loaded])
+                seq.num_computed_tokens += stored * bs
+                out.kv_store_hit_tokens += stored * bs
             allocated = manager.allocate_slots(seq, num_new)
             assert allocated, "can_admit promised room"
             seq.status = SequenceStatus.RUNNING

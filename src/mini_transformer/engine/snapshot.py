@@ -40,6 +40,7 @@ class EngineSnapshot:
 
     block_ref_counts[b]: how many requests hold block b (> 1: shared through the prefix cache).
     block_cached[b]: block b holds a prefix-cached full block (kept after its owners let go).
+    block_tier[b]: the KV store tier block b's K/V were loaded from ("host", "redis"), "" if computed here.
     """
 
     block_size: int
@@ -49,9 +50,11 @@ class EngineSnapshot:
     block_ref_counts: tuple[int, ...]
     block_cached: tuple[bool, ...]
     stats: Mapping[str, int]  # read-only: LLMEngine.stats() as it was
+    block_tier: tuple[str, ...] = ()  # empty without a KV connector
 
     @classmethod
-    def of(cls, scheduler: Scheduler, manager: BlockManager, stats: dict) -> EngineSnapshot:
+    def of(cls, scheduler: Scheduler, manager: BlockManager, stats: dict,
+           block_tier: tuple[str, ...] | None = None) -> EngineSnapshot:
         return cls(
             block_size=manager.block_size, num_blocks=manager.num_blocks,
             running=tuple(map(RequestSnapshot.of, scheduler.running)),
@@ -59,6 +62,7 @@ class EngineSnapshot:
             block_ref_counts=tuple(block.ref_count for block in manager.blocks),
             block_cached=tuple(block.block_hash is not None for block in manager.blocks),
             stats=MappingProxyType(dict(stats)),
+            block_tier=block_tier or (),
         )
 
     @property

@@ -281,6 +281,7 @@ class EngineLoop:
         m.preemptions.inc(snapshot.stats["preemptions"] - self._preemptions_published)  # catch up with the engine
         self._preemptions_published = snapshot.stats["preemptions"]
         m.prefix_hit_rate.set(snapshot.prefix_cache_hit_rate)
+        m.observe_kv_store(snapshot.stats)
         state = engine_state(snapshot, {h.engine_id: h for h in self._active.values()})
         state.update(time=time.time(), tokens_per_s=round(self._tokens_per_s(now), 2),
                      tokens_generated=self._tokens_total, stats=dict(snapshot.stats))

@@ -39,5 +39,31 @@ class ServerMetrics:
         self.rejected = Counter(f"{PREFIX}_requests_rejected", "Requests refused at the door, by HTTP status",
                                 ["status"], registry=r)
 
+        # the KV store (engine/kv_connector.py); all zero without --kv-store / --host-kv-bytes
+        self.kv_loaded = Gauge(f"{PREFIX}_kv_store_blocks_loaded", "KV blocks loaded into the pool, by tier",
+                               ["tier"], registry=r)
+        self.kv_saved = Gauge(f"{PREFIX}_kv_store_blocks_saved", "Full KV blocks written to the tiers", registry=r)
+        self.kv_hit_rate = Gauge(f"{PREFIX}_kv_store_lookup_hit_rate",
+                                 "Share of looked-up blocks (beyond the pool) a tier gave", registry=r)
+        self.kv_bytes = Gauge(f"{PREFIX}_kv_store_bytes", "K/V bytes moved: loaded into the pool, saved to the tiers",
+                              ["direction"], registry=r)
+        self.kv_errors = Gauge(f"{PREFIX}_kv_store_errors", "Store calls that failed (down, timed out)", registry=r)
+        self.kv_verify_failures = Gauge(f"{PREFIX}_kv_store_verify_failures",
+                                        "Entries refused by a check (checksum, fingerprint, token ids)", registry=r)
+
+    def observe_kv_store(self, stats) -> None:
+        """Copy the engine's kv_store_* counters (present when it has a connector) into the gauges."""
+        if "kv_store_lookups" not in stats:
+            return
+        for key, value in stats.items():
+            if key.startswith("kv_store_blocks_loaded_"):
+                self.kv_loaded.labels(key.removeprefix("kv_store_blocks_loaded_")).set(value)
+        self.kv_saved.set(stats["kv_store_blocks_saved"])
+        self.kv_hit_rate.set(stats["kv_store_lookup_hit_rate"])
+        self.kv_bytes.labels("loaded").set(stats["kv_store_bytes_loaded"])
+        self.kv_bytes.labels("saved").set(stats["kv_store_bytes_saved"])
+        self.kv_errors.set(stats["kv_store_store_errors"])
+        self.kv_verify_failures.set(stats["kv_store_verify_failures"])
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

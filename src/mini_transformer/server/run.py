@@ -23,9 +23,11 @@ GRACEFUL_SHUTDOWN_S = 60  # running requests get this long to finish after SIGTE
 def build_context(checkpoint: str | Path, *, model_name: str | None = None, api_key: str | None = None,
                   block_size: int = 16, kv_cache_bytes: int | None = None, num_blocks: int | None = None,
                   max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_waiting: int = 256,
-                  device: str = "cpu", model=None) -> ServerContext:
+                  device: str = "cpu", model=None, kv_store: str | None = None,
+                  host_kv_bytes: int | None = None) -> ServerContext:
     """Load the model and tokenizer of `checkpoint` (ours or a Hugging Face GPT-2 / Llama directory) and
-    put an engine around them. `model` may be given to serve a model already in memory."""
+    put an engine around them. `model` may be given to serve a model already in memory. `kv_store`
+    (redis://HOST:PORT) and `host_kv_bytes` add KV store tiers behind the pool (engine/kv_connector.py)."""
     from ..engine import LLMEngine
 
     for name, value in (("max_waiting", max_waiting), ("max_num_seqs", max_num_seqs)):
@@ -37,10 +39,11 @@ def build_context(checkpoint: str | Path, *, model_name: str | None = None, api_
     codec = TextCodec(checkpoint)
     if model is None:  # verifies the checkpoint's manifest first
         model = TransformerLM.from_pretrained(checkpoint, device=device)
+    connector = kv_connector(kv_store, host_kv_bytes)
     # the engine adds EOS to each request's stop ids itself (SamplingParams.stops), unless ignore_eos
     engine = LLMEngine(model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       eos_token_id=codec.eos_token_id, tokenizer=codec.tokenizer)
+                       eos_token_id=codec.eos_token_id, kv_connector=connector, tokenizer=codec.tokenizer)
     stats = engine.stats()
     metrics = ServerMetrics()
     return ServerContext(
@@ -49,6 +52,22 @@ def build_context(checkpoint: str | Path, *, model_name: str | None = None, api_
         max_model_len=model.config.max_seq_len, pool_tokens=stats["num_blocks"] * block_size,
         vocab_size=model.config.vocab_size, api_key=api_key,
     )
+
+
+def kv_connector(kv_store: str | None, host_kv_bytes: int | None):
+    """The KV store tiers asked for, fastest first (host memory, then Redis), or None for none."""
+    from ..engine.kv_connector import KVConnector
+    from ..engine.kv_tiers import HostTier, RedisTier, parse_redis_url
+
+    tiers = []
+    if host_kv_bytes is not None:
+        if isinstance(host_kv_bytes, bool) or not isinstance(host_kv_bytes, int) or host_kv_bytes < 1:
+            raise ValueError(f"host_kv_bytes={host_kv_bytes!r} must be a positive number of bytes")
+        tiers.append(HostTier(host_kv_bytes))
+    if kv_store is not None:
+        parse_redis_url(kv_store)  # refuse a bad url before the model loads
+        tiers.append(RedisTier(kv_store))
+    return KVConnector(tiers) if tiers else None
 
 
 def serve(ctx: ServerContext, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:

@@ -28,7 +28,9 @@ def _request_view(request: RequestSnapshot, handle) -> dict:
 
 def engine_state(snapshot: EngineSnapshot, handles: dict) -> dict:
     """Queues, each request's block table, and the pool: per block its reference count (> 1: shared by
-    several requests) and whether it holds a prefix-cached block (kept after its owners left)."""
+    several requests) and whether it holds a prefix-cached block (kept after its owners left); with a
+    KV store, the tier each block was loaded from ("" computed here) and the store's counters."""
+    stats = snapshot.stats
     return {
         "block_size": snapshot.block_size,
         "num_blocks": snapshot.num_blocks,
@@ -39,5 +41,7 @@ def engine_state(snapshot: EngineSnapshot, handles: dict) -> dict:
         "pool": {
             "ref_count": list(snapshot.block_ref_counts),
             "cached": [int(cached) for cached in snapshot.block_cached],
+            "tier": list(snapshot.block_tier),
         },
+        "kv_store": {k.removeprefix("kv_store_"): v for k, v in stats.items() if k.startswith("kv_store_")},
     }

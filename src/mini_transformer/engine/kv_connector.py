@@ -1,0 +1,276 @@
+"""KVConnector: the engine's door to a KV store that outlives one pool (vLLM v1's KV connector, small).
+
+The device pool forgets a block when it needs the room, and another replica never sees it. The
+connector keeps full blocks in tiers behind the pool (kv_tiers.py: HostTier, RedisTier) and gives them
+back to any engine serving the same model:
+
+    lookup(seq, num_cached)  scheduling a waiting request: how many full blocks AFTER those the device
+                             pool holds can a tier give (the longest run of the chain); the values are
+                             fetched and checked now (vLLM: get_num_new_matched_tokens)
+    load(seq, block_ids)     the scheduler allocated pool blocks for them: copy the K/V in
+                             (vLLM: update_state_after_alloc + start_load_kv)
+    save(scheduled)          after a forward pass: every block it completed is copied off the pool, and
+                             a writer thread encodes it and writes it to the tiers (write-behind: the
+                             step does not wait for Redis; an entry appears whole or not at all)
+
+The key of block i is the model's FINGERPRINT (config, dtype, block size, a digest of the weights) and
+a chain hash, key_i = H(key_{i-1}, tokens of block i), the same chain as the block manager's but with a
+digest that is equal in every process (Python's hash() is not). Equal keys should mean equal prefixes,
+but a key can collide and an entry can rot, so every value is checked before use: its checksum, its
+fingerprint, and its token ids against the request's. A failed check is a counted miss, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import struct
+import threading
+import weakref
+from array import array
+
+import torch
+
+MAGIC = b"MTKV1"
+HEADER = struct.Struct("<5s16sII")  # magic, fingerprint, block_size, K/V bytes
+DIGEST = 16  # bytes of every blake2b digest here (fingerprint, chain, checksum)
+SAVE_QUEUE_BLOCKS = 4096  # saves waiting for the writer beyond this are dropped (counted), never waited on
+
+
+def model_fingerprint(model, block_size: int) -> bytes:
+    """16 bytes that differ between any two models whose blocks must not be mixed: the config, the
+    dtype, the block size and every weight's name, shape and bytes."""
+    h = hashlib.blake2b(digest_size=DIGEST)
+    h.update(MAGIC + json.dumps(model.config.to_dict(), sort_keys=True).encode())
+    h.update(f"{model.tok_emb.weight.dtype} block_size={block_size}".encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
+        h.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return h.digest()
+
+
+def chain_digest(parent: bytes, token_ids) -> bytes:
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=DIGEST).digest()
+
+
+def encode_block(fingerprint: bytes, block_size: int, token_ids, kv: torch.Tensor) -> bytes:
+    """value = header | token ids (int64) | K/V (2, n_layer, block_size, Hkv, D) bytes | checksum."""
+    body = kv.contiguous().view(torch.uint8).numpy().tobytes()
+    head = HEADER.pack(MAGIC, fingerprint, block_size, len(body)) + array("q", token_ids).tobytes()
+    return head + body + hashlib.blake2b(head + body, digest_size=DIGEST).digest()
+
+
+def decode_block(value: bytes, fingerprint: bytes, token_ids, shape: tuple, dtype: torch.dtype):
+    """The block's K/V (shape, dtype) if `value` passes every check, else None."""
+    n_tokens = len(token_ids)
+    kv_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if len(value) != HEADER.size + 8 * n_tokens + kv_bytes + DIGEST:
+        return None
+    payload = memoryview(value)[:-DIGEST]
+    if hashlib.blake2b(payload, digest_size=DIGEST).digest() != value[-DIGEST:]:
+        return None  # damaged
+    magic, their_fingerprint, block_size, their_kv_bytes = HEADER.unpack_from(value)
+    if magic != MAGIC or their_fingerprint != fingerprint or block_size != n_tokens or their_kv_bytes != kv_bytes:
+        return None  # another model, or another layout
+    stored_ids = array("q")
+    stored_ids.frombytes(payload[HEADER.size:HEADER.size + 8 * n_tokens])
+    if stored_ids.tolist() != list(token_ids):
+        return None  # a key collision: same key, other tokens
+    start = HEADER.size + 8 * n_tokens
+    return torch.frombuffer(bytearray(payload[start:]), dtype=torch.uint8).view(dtype).view(shape)
+
+
+def extend_chain(chain: list[bytes], tokens, block_size: int, num_blocks: int) -> list[bytes]:
+    """Grow `chain` to the digests of the first num_blocks full blocks of `tokens`:
+    digest_0 = H(b"", block 0's tokens), digest_i = H(digest_{i-1}, block i's tokens)."""
+    while len(chain) < num_blocks:
+        i = len(chain)
+        chain.append(chain_digest(chain[-1] if chain else b"", tokens[i * block_size:(i + 1) * block_size]))
+    return chain
+
+
+def longest_run(tiers, keys: list[bytes], check) -> tuple[list[tuple[int, bytes, object]], int]:
+    """The longest unbroken run of consecutive blocks `keys` that the tiers hold. Each block is taken from
+    the fastest tier that has its key (one get_many per tier, for the keys the faster ones lacked);
+    check(i, value) returns the decoded block, or None when the value fails a check: the run ends there
+    and the refusal is counted. Returns ([(tier index, value, decoded)], refusals)."""
+    values: list[tuple[int, bytes | None]] = [(-1, None)] * len(keys)
+    for t, tier in enumerate(tiers):  # fill the gaps of the faster tiers from the next one
+        gaps = [i for i, (_, v) in enumerate(values) if v is None]
+        if not gaps:
+            break
+        for i, value in zip(gaps, tier.get_many([keys[i] for i in gaps]), strict=True):
+            if value is not None:
+                values[i] = (t, value)
+    run = []
+    for i, (t, value) in enumerate(values):
+        if value is None:
+            break
+        decoded = check(i, value)
+        if decoded is None:
+            return run, 1
+        run.append((t, value, decoded))
+    return run, 0
+
+
+class KVConnector:
+    """Give it tiers, fastest first (e.g. [HostTier(2 << 30), RedisTier("redis://127.0.0.1:6379")]) and
+    pass it to LLMEngine(kv_connector=...), which binds it to its model and pool."""
+
+    def __init__(self, tiers: list, *, write_behind: bool = True):
+        if not tiers or not all(hasattr(t, "get_many") and hasattr(t, "put") for t in tiers):
+            raise TypeError("tiers must be a non-empty list of tiers (HostTier, RedisTier)")
+        self.tiers, self.write_behind = list(tiers), write_behind
+        self.fingerprint = b""
+        self._keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> its chain of keys
+        self._pending = None  # (seq, first block, its length, [(tier name, K/V)]): what lookup found, for load
+        self.block_origin: dict[int, tuple[str, int]] = {}  # pool block id -> (tier, block generation)
+        names = [t.name for t in self.tiers]
+        self.counters = dict(lookups=0, lookup_blocks=0, hit_blocks=0, verify_failures=0, blocks_saved=0,
+                             bytes_saved=0, saves_dropped=0, bytes_loaded=0, wire_bytes_loaded=0,
+                             **{f"blocks_loaded_{n}": 0 for n in names})
+        self._queue: queue.Queue = queue.Queue(SAVE_QUEUE_BLOCKS)
+        self._writer: threading.Thread | None = None
+
+    # -------------------------------------------------------------------------------- binding
+    def bind(self, model, kv_cache: torch.Tensor, block_size: int) -> None:
+        """Called once by LLMEngine: the pool (2, n_layer, num_slots, Hkv, D) and the model's fingerprint."""
+        assert not self.fingerprint, "a connector serves one engine"
+        self.kv_cache, self.block_size = kv_cache, block_size
+        self.block_shape = (2, kv_cache.shape[1], block_size, *kv_cache.shape[3:])  # (2, L, bs, Hkv, D)
+        self.fingerprint = model_fingerprint(model, block_size)
+        self._prefix = b"mtkv:" + self.fingerprint.hex().encode() + b":"
+        if self.write_behind:
+            self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
+            self._writer.start()
+
+    def keys(self, seq, num_blocks: int) -> list[bytes]:
+        """The store keys of seq's first num_blocks full blocks (kept and extended: tokens only grow)."""
+        chain = self._keys.setdefault(seq, [])
+        if len(chain) < num_blocks:
+            extend_chain(chain, seq.tokens, self.block_size, num_blocks)
+        return [self._prefix + digest for digest in chain[:num_blocks]]
+
+    # ------------------------------------------------------------------------------- loading
+    def lookup(self, seq, num_cached_blocks: int) -> int:
+        """How many full blocks after the first num_cached_blocks (already in the pool) the tiers give, as
+        one unbroken run; fetched and checked now, and kept for load(). Like the pool, only blocks inside
+        the first num_tokens - 1 tokens count: the step must compute the last token for its logits."""
+        pending = self._pending
+        if pending is not None and pending[:3] == (seq, num_cached_blocks, seq.num_tokens):
+            return len(pending[3])  # the same request still waiting for room: no second round trip
+        wanted = self.keys(seq, (seq.num_tokens - 1) // self.block_size)[num_cached_blocks:]
+        self.counters["lookups"] += 1
+        self.counters["lookup_blocks"] += len(wanted)
+        tokens, bs = seq.tokens, self.block_size
+
+        def check(i: int, value: bytes):
+            block = num_cached_blocks + i
+            return decode_block(value, self.fingerprint, tokens[block * bs:(block + 1) * bs], self.block_shape,
+                                self.kv_cache.dtype)
+
+        run, refused = longest_run(self.tiers, wanted, check)
+        self.counters["verify_failures"] += refused  # a miss, counted; the block is computed instead
+        found = [(self.tiers[t].name, kv) for t, _, kv in run]
+        for i, (t, value, _) in enumerate(run):
+            self.counters["wire_bytes_loaded"] += len(value)
+            if t:
+                self.tiers[0].put(wanted[i], value)  # promote: the next hit is a faster tier's
+        self.counters["hit_blocks"] += len(found)
+        self._pending = (seq, num_cached_blocks, seq.num_tokens, found)
+        return len(found)
+
+    def load(self, seq, block_ids: list[int], generations: list[int]) -> None:
+        """Copy what lookup(seq, ...) found into the freshly allocated pool blocks `block_ids`."""
+        pending_seq, _, _, found = self._pending
+        assert pending_seq is seq and len(found) == len(block_ids), "load follows its lookup"
+        self._pending = None
+        bs = self.block_size
+        for block_id, generation, (tier_name, kv) in zip(block_ids, generations, found, strict=True):
+            self.kv_cache[:, :, block_id * bs:(block_id + 1) * bs] = kv.to(self.kv_cache.device)
+            self.block_origin[block_id] = (tier_name, generation)
+            self.counters[f"blocks_loaded_{tier_name}"] += 1
+            self.counters["bytes_loaded"] += kv.numel() * kv.element_size()
+
+    # -------------------------------------------------------------------------------- saving
+    def save(self, scheduled) -> None:
+        """After a forward pass over `scheduled` (sequence, tokens computed) pairs, and BEFORE the engine
+        counts those tokens: copy every block the pass completed off the pool (now, before the block can
+        be reused) and queue it for the tiers."""
+        bs, copies = self.block_size, []
+        for seq, n in scheduled:
+            first, last = seq.num_computed_tokens // bs, (seq.num_computed_tokens + n) // bs
+            if first >= last:
+                continue
+            keys, tokens = self.keys(seq, last), seq.tokens_between(first * bs, last * bs)
+            for i in range(first, last):
+                block_id = seq.block_table[i]
+                kv = self.kv_cache[:, :, block_id * bs:(block_id + 1) * bs]  # (2, L, bs, Hkv, D)
+                copies.append((keys[i], tokens[(i - first) * bs:(i - first + 1) * bs], self._copy_off(kv)))
+        if not copies:
+            return
+        done = None
+        if self.kv_cache.device.type == "cuda":  # the copies run async; the writer waits on this event
+            done = torch.cuda.Event()
+            done.record()
+        for key, token_ids, kv in copies:
+            if self.write_behind:
+                try:
+                    self._queue.put_nowait((key, token_ids, kv, done))
+                except queue.Full:
+                    self.counters["saves_dropped"] += 1
+            else:
+                self._write(key, token_ids, kv, done)
+
+    def _copy_off(self, kv: torch.Tensor) -> torch.Tensor:
+        if kv.device.type == "cpu":
+            return kv.clone()
+        host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+        return host.copy_(kv, non_blocking=True)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, key: bytes, token_ids, kv: torch.Tensor, done) -> None:
+        if done is not None:
+            done.synchronize()
+        value = encode_block(self.fingerprint, self.block_size, token_ids, kv)
+        for tier in self.tiers:
+            tier.put(key, value)  # a tier that is down drops it (and counts); the block is just not shared
+        self.counters["blocks_saved"] += 1
+        self.counters["bytes_saved"] += len(value)
+
+    def flush(self) -> None:
+        """Wait until every queued save reached the tiers (tests, benchmarks, shutdown)."""
+        if self._writer is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        if self._writer is not None and self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join(timeout=10)
+        for tier in self.tiers:
+            if hasattr(tier, "close"):
+                tier.close()
+
+    # --------------------------------------------------------------------------------- views
+    def stats(self) -> dict:
+        """Counters since start, with the tiers' own: errors (failed calls) and the hit rate."""
+        c = dict(self.counters)
+        c["lookup_hit_rate"] = round(c["hit_blocks"] / c["lookup_blocks"], 4) if c["lookup_blocks"] else 0.0
+        c["store_errors"] = sum(t.errors for t in self.tiers)
+        c["pending_saves"] = self._queue.qsize()
+        return c
+
+    def block_tiers(self, blocks) -> tuple[str, ...]:
+        """Per pool block: the tier its K/V came from ("" if computed here), while it still holds them."""
+        return tuple(origin[0] if (origin := self.block_origin.get(b.block_id)) and origin[1] == b.generation
+                     else "" for b in blocks)

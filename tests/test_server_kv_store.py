@@ -1,0 +1,96 @@
+"""Two servers on one Redis (`serve --kv-store`): the second reuses the prompt blocks the first stored,
+answers the same text as a server without a store, and /metrics, /v1/engine/state and the live page's
+data report where blocks came from. Needs Debian's redis-server (skips without it)."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+from kv_store_support import RedisServer
+from server_support import make_char_checkpoint, running_server
+
+from mini_transformer.server import build_context
+
+PROMPT = "the quick brown fox jumps over the lazy dog, again and again, " * 2  # 128 characters
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    make_char_checkpoint(path, max_seq_len=160)
+    return path
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+def complete(server) -> str:
+    body = {"model": server.ctx.model_name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def test_two_replicas_share_prefix_blocks(checkpoint, redis_server):
+    with running_server(checkpoint, block_size=16) as plain:
+        expected = complete(plain)
+    with running_server(checkpoint, block_size=16, kv_store=redis_server.url, host_kv_bytes=1 << 22) as a:
+        assert complete(a) == expected
+        a.wait_idle()
+        a.ctx.engine_loop.engine.kv_connector.flush()
+        saved = a.ctx.engine_loop.engine.stats()["kv_store_blocks_saved"]
+        assert saved >= len(PROMPT) // 16
+    with running_server(checkpoint, block_size=16, kv_store=redis_server.url) as b:
+        assert complete(b) == expected
+        state = b.wait_idle()
+        engine_stats = b.ctx.engine_loop.engine.stats()
+        assert engine_stats["kv_store_blocks_loaded_redis"] == (len(PROMPT) - 1) // 16  # one token per char
+        assert engine_stats["prefill_tokens_computed"] == len(PROMPT) - 16 * ((len(PROMPT) - 1) // 16)
+        state = httpx.get(f"{b.url}/v1/engine/state", timeout=10).json()
+        assert state["kv_store"]["blocks_loaded_redis"] == engine_stats["kv_store_blocks_loaded_redis"]
+        assert state["pool"]["tier"].count("redis") == engine_stats["kv_store_blocks_loaded_redis"]
+        metrics = httpx.get(f"{b.url}/metrics", timeout=10).text
+        loaded = engine_stats["kv_store_blocks_loaded_redis"]
+        assert f'mini_transformer_kv_store_blocks_loaded{{tier="redis"}} {float(loaded)}' in metrics
+        assert "mini_transformer_kv_store_lookup_hit_rate 1.0" in metrics
+        assert "mini_transformer_kv_store_errors 0.0" in metrics
+        live_page_marks_loaded_blocks(b.url, loaded)
+
+
+def live_page_marks_loaded_blocks(url: str, loaded: int) -> None:
+    """The live page (headless Chromium, as tests/test_server_page.py drives it) marks the blocks that came
+    from Redis and names the store's counters; skipped where Chromium or Playwright is absent."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        return
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        return
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, headless=True,
+                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            page = browser.new_page()
+            errors = []
+            page.on("pageerror", lambda err: errors.append(str(err)))
+            page.goto(url + "/", timeout=30_000)
+            page.wait_for_function(f"document.querySelectorAll('#grid .block.from-redis').length === {loaded}",
+                                   timeout=30_000)
+            assert "blocks loaded redis " + str(loaded) in page.locator("#kv-store").text_content()
+            assert not errors, errors
+        finally:
+            browser.close()
+
+
+def test_bad_kv_store_options_are_refused(checkpoint):
+    with pytest.raises(ValueError, match="redis://HOST:PORT"):
+        build_context(checkpoint, kv_store="http://127.0.0.1:6379")
+    with pytest.raises(ValueError, match="host_kv_bytes"):
+        build_context(checkpoint, host_kv_bytes=0)
