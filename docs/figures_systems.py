@@ -281,15 +281,18 @@ def structured_step(save) -> None:
 
     fig, ax = plt.subplots(figsize=(11, 4.6))
     box(ax, 0, 3.6, 5.6, 0.55, "前向：模型算出这一步 M 行的 logits（GPU 上异步；CPU 上在主线程）", fc="#dde8f5")
-    box(ax, 0, 2.85, 2.6, 0.55, "工作线程：xgrammar 填受约束行的\nbitmask（只依赖已接受的 token）", fc=YELLOW, fontsize=8)
-    box(ax, 5.9, 3.2, 1.9, 0.95, "采样器：惩罚项\n→ 掩码（-inf）\n→ argmax / 过滤、抽样", fc=GREEN, color="white", fontsize=8.5)
-    box(ax, 8.1, 3.2, 1.9, 0.95, "读回 token\n→ matcher.accept_token\n→ 语法结束就停", fc=BLUE, color="white", fontsize=8.5)
+    box(ax, 0, 2.85, 2.6, 0.55, "工作线程：xgrammar 填受约束行的\nbitmask（只依赖已接受的 token）",
+        fc=YELLOW, fontsize=8)
+    box(ax, 5.9, 3.2, 1.9, 0.95, "采样器：惩罚项\n→ 掩码（-inf）\n→ argmax / 过滤、抽样", fc=GREEN, color="white",
+        fontsize=8.5)
+    box(ax, 8.1, 3.2, 1.9, 0.95, "读回 token\n→ matcher.accept_token\n→ 语法结束就停", fc=BLUE, color="white",
+        fontsize=8.5)
     arrow(ax, (5.6, 3.87), (5.9, 3.7))
     arrow(ax, (2.6, 3.12), (5.9, 3.4))
     arrow(ax, (7.8, 3.67), (8.1, 3.67))
     ax.text(0, 2.45, "同一时间轴：填掩码与前向重叠；采样器只等没被前向盖住的那一部分", fontsize=8.5)
-    ax.text(0, 1.75, "choice = (\"yes\", \"no\", \"yesterday\")，已生成 \"yes\"（token \"ye\" + \"s\"）：下一个 token 的掩码"
-            f"（真实的 bitmask 字 = {word}）", fontsize=9)
+    ax.text(0, 1.75, "choice = (\"yes\", \"no\", \"yesterday\")，已生成 \"yes\"（token \"ye\" + \"s\"）："
+            f"下一个 token 的掩码（真实的 bitmask 字 = {word}）", fontsize=9)
     for t, (token, ok) in enumerate(zip(vocab, allowed, strict=True)):
         box(ax, t * 0.72, 0.75, 0.66, 0.6, token, fc=GREEN if ok else GREY, fontsize=8,
             color="white" if ok else "black")

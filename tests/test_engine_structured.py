@@ -96,7 +96,9 @@ LEAVES = st.one_of(
     st.just({"type": "boolean"}),
     st.just({"type": "null"}),
     st.lists(st.text("abcxyz", min_size=1, max_size=4), min_size=1, max_size=3, unique=True).map(lambda v: {"enum": v}),
-    st.integers(0, 4).map(lambda n: {"type": "string", "maxLength": n}),
+    # strings bounded by a pattern, not by maxLength: xgrammar 0.2.9 lets raw control characters into
+    # minLength/maxLength strings (invalid JSON; upstream mlc-ai/xgrammar#800), see the test below
+    st.integers(0, 4).map(lambda n: {"type": "string", "pattern": f"^[a-z ]{{0,{n}}}$"}),
 )
 SCHEMAS = st.recursive(LEAVES, lambda inner: st.one_of(
     st.dictionaries(st.text("abcdef", min_size=1, max_size=3), inner, min_size=1, max_size=3).map(
@@ -177,6 +179,17 @@ def test_random_constraints_validate_and_masks_equal_xgrammar(model, tokenizer, 
             assert valid(structured, tokenizer.decode(output[:-1])), (structured, tokenizer.decode(output[:-1]))
         for step, expected in enumerate(reference_masks(tokenizer, model.config.vocab_size, structured, output)):
             assert torch.equal(applied[str(i), step], expected), (structured, step)
+
+
+def test_known_upstream_bug_length_bounded_strings_admit_control_characters(tokenizer):
+    """xgrammar 0.2.9 compiles {"type": "string", "maxLength": n} to a character class that lets U+0000-U+001F
+    in unescaped (JSON forbids them; mlc-ai/xgrammar#800, fixes open). Our random-schema test found it and
+    leaves maxLength out of its generator. When this test fails, xgrammar is fixed: put maxLength back."""
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(token_bytes(tokenizer), xgr.VocabType.RAW))
+    bounded = xgr.GrammarMatcher(compiler.compile_json_schema('{"type": "string", "maxLength": 2}'))
+    free = xgr.GrammarMatcher(compiler.compile_json_schema('{"type": "string"}'))
+    assert not free.accept_string('"\x01'), "a plain string refuses a raw control character, as JSON requires"
+    assert bounded.accept_string('"\x01'), "xgrammar#800 is fixed: add maxLength back to LEAVES"
 
 
 # ------------------------------------------------------------------------ batch, preemption, prefix
