@@ -7,6 +7,7 @@
 - unconstrained rows are untouched by a constrained neighbour; preemption and prefix hits change nothing.
 """
 
+import dataclasses
 import json
 import re
 
@@ -149,7 +150,7 @@ def reference_masks(tokenizer, vocab_size, structured, output):
         assert matcher.accept_token(token)
 
 
-@settings(max_examples=40, deadline=None, derandomize=True,
+@settings(max_examples=100, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(constraints=st.lists(CONSTRAINTS, min_size=6, max_size=8), seed=st.integers(0, 2**20))
 def test_random_constraints_validate_and_masks_equal_xgrammar(model, tokenizer, constraints, seed):
@@ -290,3 +291,21 @@ def test_the_value_and_the_other_doors_refuse_what_they_cannot_do(model, tokeniz
         generate(model, torch.tensor([[1, 2]]), params)
     with pytest.raises(ValueError, match="speculative decoding with structured output is refused"):
         speculative_generate(model, torch.tensor([[1, 2]]), params, draft_model="prompt_lookup")
+
+
+def test_a_constrained_request_handed_between_engines_equals_one_engine(model, tokenizer):
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=7, structured=StructuredOutput(json_schema=SCHEMA))
+    prompt = [5, 6, 7, 8, 9]
+    [expected] = run(make_engine(model, tokenizer), [prompt], [params])
+    prefill, decode = make_engine(model, tokenizer), make_engine(model, tokenizer)
+    handoff = prefill.prefill_for_handoff(prompt, params)
+    request_id = decode.adopt_prefilled(handoff, params)  # the decode side's matcher accepts the first token
+    output, reason = [handoff.first_token], None
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            assert out.request_id == request_id
+            output, reason = output + out.new_token_ids, out.finish_reason
+    assert (output, reason) == expected
+    bad = dataclasses.replace(handoff, first_token=tokenizer.encode("}")[0])  # no JSON object starts with "}"
+    with pytest.raises(ValueError, match="first_token"):
+        make_engine(model, tokenizer).adopt_prefilled(bad, params)
