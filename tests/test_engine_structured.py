@@ -309,3 +309,16 @@ def test_a_constrained_request_handed_between_engines_equals_one_engine(model, t
     bad = dataclasses.replace(handoff, first_token=tokenizer.encode("}")[0])  # no JSON object starts with "}"
     with pytest.raises(ValueError, match="first_token"):
         make_engine(model, tokenizer).adopt_prefilled(bad, params)
+
+
+def test_a_vocabulary_that_is_not_byte_level_is_refused_naming_it(model):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()  # sentencepiece-style
+    trainer = trainers.BpeTrainer(vocab_size=100, special_tokens=["<unk>"], show_progress=False)
+    backend.train_from_iterator([TEXT], trainer)
+    engine = LLMEngine(model, block_size=4, num_blocks=16, tokenizer=BPETokenizer(backend))
+    with pytest.raises(InvalidRequest, match="byte-level") as err:
+        engine.add_request([1], SamplingParams(structured=StructuredOutput(regex="a")))
+    assert err.value.argument == "structured"
