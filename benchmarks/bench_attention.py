@@ -26,10 +26,8 @@ import contextlib
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
-import time
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 MODES = ("fwd", "fwd+bwd")
@@ -62,6 +60,7 @@ def _peak_rss_bytes(reset_worked: bool) -> int:
 def run_case(backend: str, T: int, mode: str, args) -> dict:
     """Measure one case in this process: peak extra memory of the first call, then the median time."""
     import torch
+    from _common import time_calls
 
     from mini_transformer.attention import attention
 
@@ -98,42 +97,14 @@ def run_case(backend: str, T: int, mode: str, args) -> dict:
         step(*inputs)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
-        times = _cuda_times(step, inputs, args)
     else:
         before, reset = _rss_bytes(), _reset_peak_rss()
         step(*inputs)
         peak = _peak_rss_bytes(reset) - before
-        times = _cpu_times(step, inputs, args)
-    return dict(backend=backend, T=T, mode=mode, ms=1e3 * statistics.median(times), peak_mb=max(peak, 0) / 2**20,
-                runs=len(times))
-
-
-def _keep_timing(count: int, deadline: float, args) -> bool:
-    return count < args.min_repeats or (time.perf_counter() < deadline and count < args.max_repeats)
-
-
-def _cpu_times(step, inputs, args) -> list[float]:
-    times, deadline = [], time.perf_counter() + args.seconds
-    while _keep_timing(len(times), deadline, args):
-        start = time.perf_counter()
-        step(*inputs)
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def _cuda_times(step, inputs, args) -> list[float]:
-    """Seconds per call from CUDA events; the host queues calls ahead and synchronises once at the end."""
-    import torch
-
-    pairs, deadline = [], time.perf_counter() + args.seconds
-    while _keep_timing(len(pairs), deadline, args):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step(*inputs)
-        end.record()
-        pairs.append((start, end))
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) / 1e3 for start, end in pairs]
+    # step() picks its own grad mode (no_grad for "fwd"), the same for the warm-up above and every timed call
+    timing = time_calls(lambda: step(*inputs), repeats=args.min_repeats, warmup=0, device=device, grad="grad",
+                        seconds=args.seconds, max_repeats=args.max_repeats)
+    return dict(backend=backend, T=T, mode=mode, ms=timing.ms, peak_mb=max(peak, 0) / 2**20, runs=len(timing.times))
 
 
 # ---------------------------------------------------------------------------------- the parent

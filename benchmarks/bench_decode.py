@@ -15,13 +15,10 @@ Default: GPT-2 architecture, 6 layers, 6 heads, d_model 384, and nanoGPT's 65-ch
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import tempfile
-import time
 
 import torch
-from decode_roofline import synchronize
+from _common import GRAD_MODES, Timing, add_common_args, apply_common_args, time_call
 from tqdm import tqdm
 
 from mini_transformer import TransformerLM, generate
@@ -42,12 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="timed runs per (method, length); the median is shown")
     p.add_argument("--no-cache-repeats", type=int, default=None,
                    help="timed runs for the slow no-cache path (default: --repeats)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                   help="torch CPU threads, the same for every method (default: all cores; 1 on a busy machine)")
-    p.add_argument("--device", default="cpu")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
                    help="which ways to generate (cache is always run: the others are compared with it)")
-    p.add_argument("--plot", metavar="PNG", help="write tokens/s vs new tokens to this PNG")
+    add_common_args(p, plot="write tokens/s vs new tokens to this PNG")
     return p.parse_args(argv)
 
 
@@ -76,24 +70,17 @@ def run_once(method, ours, hf, idx, n_new) -> torch.Tensor:
     return generate(ours, idx, n_new, use_cache=method == "cache")
 
 
-def timed(method, ours, hf, idx, n_new, device) -> float:
-    synchronize(device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        run_once(method, ours, hf, idx, n_new)
-    synchronize(device)
-    return time.perf_counter() - start
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    apply_common_args(args)
     ours, hf = build_models(args)
     methods = [m for m in METHODS if m == "cache" or m in args.methods]
     idx = torch.randint(1, args.vocab_size, (args.batch_size, args.prompt_len), device=args.device)
 
-    # Same weights, same greedy tokens: check it before timing anything.
-    check = {m: run_once(m, ours, hf, idx, 8) for m in methods}  # also the warm-up
+    # Same weights, same greedy tokens: check it before timing anything (also the warm-up, in the timed runs'
+    # grad mode: inference mode)
+    with GRAD_MODES["inference"]():
+        check = {m: run_once(m, ours, hf, idx, 8) for m in methods}
     for m in methods[1:]:
         if not torch.equal(check[m], check["cache"]):
             raise SystemExit(f"{m} produced other tokens than cache: {check[m].tolist()} vs {check['cache'].tolist()}")
@@ -103,9 +90,11 @@ def main(argv=None) -> None:
     jobs = [(n, m) for n in args.lengths for r in range(max(args.repeats, no_cache_repeats)) for m in methods
             if r < (no_cache_repeats if m == "no-cache" else args.repeats)]
     runs: dict[tuple[int, str], list[float]] = {}
-    for n, m in tqdm(jobs, desc="decode runs", unit="run"):
-        runs.setdefault((n, m), []).append(timed(m, ours, hf, idx, n, args.device))
-    seconds = {key: statistics.median(values) for key, values in runs.items()}
+    with GRAD_MODES["inference"]():
+        for n, m in tqdm(jobs, desc="decode runs", unit="run"):
+            seconds = time_call(lambda m=m, n=n: run_once(m, ours, hf, idx, n), args.device)[1]
+            runs.setdefault((n, m), []).append(seconds)
+    seconds = {key: Timing(values).median for key, values in runs.items()}
 
     tok_s = {key: args.batch_size * key[0] / s for key, s in seconds.items()}
     print(f"\nGPT-2 arch: {args.n_layer} layers, {args.n_heads} heads, d_model {args.d_model}, "

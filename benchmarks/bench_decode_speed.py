@@ -32,11 +32,11 @@ import argparse
 import copy
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from decode_roofline import kv_bytes_per_slot, measure_bandwidth, plot_roofline, synchronize, weight_bytes
+from _common import GRAD_MODES, add_common_args, apply_common_args, time_calls, time_interleaved
+from decode_roofline import kv_bytes_per_slot, measure_bandwidth, plot_roofline, weight_bytes
 from tqdm import tqdm
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
@@ -61,9 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--gpt2-new-tokens", type=int, default=64, help="new tokens per speed run of GPT-2 small")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--group-size", type=int, default=64, help="int4 group size")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, every method")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per method (interleaved); the best is kept")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per method (interleaved); the median is kept")
     p.add_argument("--data", default=None, help="text to train on (default: tiny shakespeare, or pydoc offline)")
     p.add_argument("--train-steps", type=int, default=200)
     p.add_argument("--context", type=int, default=64,
@@ -71,7 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--draft-layers", type=int, default=1)
     p.add_argument("--trained", metavar="DIR", help="load target/ and draft/ from DIR, or train and save them there")
     p.add_argument("--speculative-tokens", type=int, default=4, help="k drafted per target pass")
-    p.add_argument("--plot", metavar="PNG", help="write the roofline plot (bytes/token vs tokens/s) here")
+    add_common_args(p, plot="write the roofline plot (bytes/token vs tokens/s) here")
     p.add_argument("--profile", nargs="+", choices=SPEED_METHODS, default=[],
                    help="after timing, profile one run of these methods (torch.profiler) and print the top ops")
     p.add_argument("--quick", action="store_true",
@@ -159,26 +157,20 @@ def run_speed(name: str, args, bandwidth: float) -> list[dict]:
     return rows
 
 
-@torch.inference_mode()
 def time_methods(functions: dict, idx: torch.Tensor, n_new: int, repeats: int, device: str, name: str = ""):
-    """(first 8 tokens of each method's warm-up, best seconds of `repeats` timed runs each).
+    """(first 8 tokens of each method's warm-up, median seconds of `repeats` timed runs each).
 
     Warm-up and timed runs share one grad mode, inference mode: a compiled forward guards on it (an
     inference tensor has other dispatch keys), so warming up outside it made HF's static compiled forward
     recompile (and, on cuda, record new CUDA graphs) inside the first timed run. Compiled methods warm up
     at the timed length: a static cache of another length would be another graph."""
     first = {}
-    for m in tqdm(functions, desc=f"{name}: warm-up and compile", unit="method"):
-        first[m] = functions[m](idx, n_new if m in COMPILED_METHODS else 8)[:, :8]
-    seconds = dict.fromkeys(functions, float("inf"))
-    jobs = [m for _ in range(repeats) for m in functions]  # methods take turns: load changes hit all
-    for m in tqdm(jobs, desc=f"{name}: timed runs", unit="run"):
-        synchronize(device)
-        start = time.perf_counter()
-        functions[m](idx, n_new)
-        synchronize(device)
-        seconds[m] = min(seconds[m], time.perf_counter() - start)
-    return first, seconds
+    with GRAD_MODES["inference"]():  # the warm-up here (its tokens are compared), the timed runs in _common
+        for m in tqdm(functions, desc=f"{name}: warm-up and compile", unit="method"):
+            first[m] = functions[m](idx, n_new if m in COMPILED_METHODS else 8)[:, :8]
+    calls = {m: (lambda fn=fn: fn(idx, n_new)) for m, fn in functions.items()}
+    timings = time_interleaved(calls, repeats=repeats, warmup=0, device=device, grad="inference")
+    return first, {m: t.median for m, t in timings.items()}
 
 
 def profile_run(title: str, fn, top: int = 8) -> None:
@@ -243,13 +235,10 @@ def perplexity(model, val: torch.Tensor, block: int, windows: int = 64) -> float
 
 
 def timed(fn, repeats: int = 3):
-    """(output, best seconds of `repeats` runs): short runs on a shared machine, so the least disturbed."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+    """(output of a first, warm-up call; median seconds of `repeats` timed calls after it)."""
+    with GRAD_MODES["inference"]():
         out = fn()
-        best = min(best, time.perf_counter() - start)
-    return out, best
+    return out, time_calls(fn, repeats=repeats, warmup=0).median
 
 
 def run_tricks(args) -> None:
@@ -272,7 +261,7 @@ def run_tricks(args) -> None:
     k = args.speculative_tokens
     cases = [("speculative", "plain", draft), ("prompt lookup", "plain-long", "prompt_lookup"),
              ("prompt lookup", "repetitive", "prompt_lookup")]
-    print(f"\ngreedy, batch 1, {args.threads} thread(s), best of 3 runs; k = {k} drafted tokens per target pass; "
+    print(f"\ngreedy, batch 1, {args.threads} thread(s), median of 3 runs; k = {k} drafted tokens per target pass; "
           f"draft = {args.draft_layers} layer(s) x 384")
     print(f"{'method':>13} | {'prompt':>10} | {'new':>4} | {'plain tok/s':>11} | {'tok/s':>7} | {'speed-up':>8} | "
           f"{'accepted':>8} | {'tokens/pass':>11} | identical")
@@ -291,7 +280,7 @@ def run_tricks(args) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    apply_common_args(args)
     print(f"threads {args.threads}, device {args.device}, load average {os.getloadavg()[0]:.2f}")
     if "speed" in args.parts:
         copy_bw, bandwidth = measure_bandwidth(args.device)
@@ -299,7 +288,7 @@ def main(argv=None) -> None:
               f"read {bandwidth / 1e9:.2f} GB/s (the ceiling uses read)")
         rows = [row for name in args.models for row in run_speed(name, args, bandwidth)]
         print(f"batch 1, greedy, prompt {args.prompt_len}; new tokens: char {args.new_tokens}, "
-              f"gpt2 {args.gpt2_new_tokens}; best of {args.repeats} interleaved runs; int8/int4 compiled; "
+              f"gpt2 {args.gpt2_new_tokens}; median of {args.repeats} interleaved runs; int8/int4 compiled; "
               f"int4 group {args.group_size}")
         print_speed(rows)
         if args.plot:

@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from _common import Timing, add_common_args, apply_common_args, time_calls
 
 from mini_transformer import TransformerConfig
 from mini_transformer.cli.info import active_parameters, count_parameters
@@ -102,7 +101,7 @@ def run(name: str, vocab_size: int, args, out: Path, recorder: BalanceRecorder) 
     result = train(train_cfg, cfg)
     times = result.step_times[min(10, len(result.step_times) // 2):]
     row = dict(result=result, total=sum(groups.values()), active=active_parameters(cfg, groups),
-               ms=1000 * statistics.median(times), balance=[])
+               ms=Timing(times).ms, balance=[])
     if cfg.ffn == "moe":
         w = args.balance_window
         row["balance"] = [(end, *recorder.window(end - w, end)) for end in range(w, len(recorder.steps) + 1, w)]
@@ -133,17 +132,6 @@ def quality(args, vocab_size: int, work: Path) -> dict:
             cells = [f"{r['balance'][i][1]:.2f} / {r['balance'][i][2]:.2f}" for r in moe_rows.values()]
             print(f"{end:>11} " + " ".join(f"{c:>17}" for c in cells))
     return rows
-
-
-def timed(fn, reps: int) -> float:
-    """Median milliseconds of `reps` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
 
 
 @contextlib.contextmanager
@@ -193,8 +181,7 @@ def decode_times(moe: MoE, n_tokens: int, reps: int) -> list[tuple[str, float]]:
     cases = [("sorted + loop over experts (host read)", looped),
              ("sorted + grouped_mm [CPU fp32/bf16]", lambda: sorted_dispatch(*inputs)),
              ("gathered + bmm [CUDA, float64]", lambda: dispatch_gathered(*inputs))]
-    with torch.no_grad():
-        return [(label, timed(fn, reps)) for label, fn in cases]
+    return [(label, time_calls(fn, repeats=reps, grad="no_grad").ms) for label, fn in cases]
 
 
 def dispatch(args, vocab_size: int) -> list:
@@ -218,7 +205,8 @@ def dispatch(args, vocab_size: int) -> list:
              ("MoE, grouped matmul (ours)", fwd_bwd(moe), args.dispatch_reps),
              ("MoE, loop over experts", fwd_bwd(expert_loop), args.dispatch_reps),
              ("MoE, loop over tokens (reference)", fwd_bwd(lambda x_: moe_per_token_reference(moe, x_)), 3)]
-    rows = [(label, timed(fn, reps)) for label, fn, reps in tqdm(cases, desc="dispatch", disable=args.quiet)]
+    rows = [(label, time_calls(fn, repeats=reps, grad="grad").ms)
+            for label, fn, reps in tqdm(cases, desc="dispatch", disable=args.quiet)]
     reference = rows[-1][1]
     print(f"\nMoE layer forward + backward, {x.shape[0] * x.shape[1]} tokens, C={moe_cfg.d_model}, "
           f"{N_EXPERTS} experts of d_ff {moe_cfg.d_ff}, top-{TOP_K}")
@@ -266,12 +254,11 @@ def main() -> None:
     parser.add_argument("--aux-coef", type=float, help="the moe model's aux loss coefficient (default: MODELS)")
     parser.add_argument("--dispatch-reps", type=int, default=20, help="timed calls per dispatch case (0 = skip)")
     parser.add_argument("--decode-reps", type=int, default=200, help="timed calls per decode case (0 = skip)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    parser.add_argument("--plot", metavar="PNG", help="write loss curves, expert balance and dispatch times here")
+    add_common_args(parser, threads=1, device=False, plot="write loss curves, expert balance and dispatch times here")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    apply_common_args(args)
     from mini_transformer.tokenizer import CharTokenizer
     from mini_transformer.training.data import load_text
 

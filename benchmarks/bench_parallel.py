@@ -29,13 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
+from _common import add_common_args, apply_common_args, table, time_call, time_calls
 from bench_attention import _peak_rss_bytes, _reset_peak_rss, _rss_bytes  # a sibling: `python benchmarks/...`
 
 from mini_transformer import TransformerConfig, TransformerLM, generate
@@ -53,7 +52,7 @@ def model_config(args) -> TransformerConfig:
 
 # ------------------------------------------------------------------------------ 1. tensor parallel
 def tp_worker(rank: int, world_size: int, args, shard: bool) -> dict:
-    torch.set_num_threads(args.threads)
+    apply_common_args(args)
     torch.manual_seed(0)
     model = TransformerLM(model_config(args)).eval()
     if shard:
@@ -62,9 +61,7 @@ def tp_worker(rank: int, world_size: int, args, shard: bool) -> dict:
     idx = torch.randint(model.config.vocab_size, (1, args.prompt))
     if shard:
         torch.distributed.barrier()  # start the clocks together: a rank that built its model first would wait
-    start = time.perf_counter()
-    new = generate(model, idx, args.new_tokens)  # 1 prefill of `prompt` tokens + new_tokens - 1 decode steps
-    seconds = time.perf_counter() - start
+    new, seconds = time_call(lambda: generate(model, idx, args.new_tokens))  # 1 prefill + new_tokens - 1 steps
     tokens = args.prompt + args.new_tokens - 1  # tokens that went through the model
     per_token = model.collectives.nbytes / tokens if shard else 0.0
     return dict(weights=weights, bytes_per_token=per_token, tok_s=args.new_tokens / seconds, ids=new)
@@ -92,7 +89,7 @@ def moe_config(args) -> TransformerConfig:
 
 
 def ep_worker(rank: int, world_size: int, args, shard: bool) -> dict:
-    torch.set_num_threads(args.threads)
+    apply_common_args(args)
     torch.manual_seed(0)
     model = TransformerLM(moe_config(args)).eval()
     if shard:
@@ -130,7 +127,7 @@ def pd_worker(rank: int, world_size: int, args) -> dict:
     from mini_transformer import SamplingParams
     from mini_transformer.parallel.pd import run_disaggregated
 
-    torch.set_num_threads(args.threads)
+    apply_common_args(args)
     torch.manual_seed(0)
     model = TransformerLM(model_config(args)).eval()
     lengths = [min(n, model.config.max_seq_len - 8) for n in PD_PROMPTS]
@@ -157,7 +154,7 @@ def bench_pd(args) -> list[dict]:
 # --------------------------------------------------------------------------------- 2. FSDP vs DDP
 def train_worker(rank: int, world_size: int, args, mode: str) -> dict:
     reset = _reset_peak_rss()  # a spawned process starts with its parent's high-water mark: forget it
-    torch.set_num_threads(args.threads)
+    apply_common_args(args)
     torch.manual_seed(0)
     model = TransformerLM(model_config(args))
     if mode == "fsdp":
@@ -168,14 +165,14 @@ def train_worker(rank: int, world_size: int, args, mode: str) -> dict:
 
         model = DistributedDataParallel(model)
     x = torch.randint(model_config(args).vocab_size, (args.batch, args.seq))
-    times = []
-    for _ in range(2):
-        start = time.perf_counter()
+
+    def step():
         model(x, x)[1].backward()
         optimizer.step()
-        times.append(time.perf_counter() - start)
+
+    timing = time_calls(step, repeats=1, warmup=1, grad="grad")  # the first step allocates the state
     memory = training_memory(model, optimizer)  # gradients kept (not zeroed) so they are counted
-    return {**memory, "peak_rss": _peak_rss_bytes(reset), "step_s": times[-1]}
+    return {**memory, "peak_rss": _peak_rss_bytes(reset), "step_s": timing.median}
 
 
 def bench_train_memory(args) -> list[dict]:
@@ -194,7 +191,7 @@ def bench_train_memory(args) -> list[dict]:
 # -------------------------------------------------------------------- 3. activation checkpointing
 def ac_case(args, preset: str, batch: int, seq: int, checkpointing: bool) -> dict:
     """One mode in this (fresh) process: extra peak memory of a step with gradients allocated, and its time."""
-    torch.set_num_threads(args.threads)
+    apply_common_args(args)
     device = torch.device(args.device)
     torch.manual_seed(0)
     cfg = TransformerConfig.from_preset(preset, attn_backend="sdpa", activation_checkpointing=checkpointing)
@@ -205,6 +202,10 @@ def ac_case(args, preset: str, batch: int, seq: int, checkpointing: bool) -> dic
         model(x, x)[1].backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
+
+    def timed_step():
+        model.zero_grad(set_to_none=False)
+        step()
 
     step()  # allocates the gradients (kept: zero_ does not free them) and loads the kernels
     model.zero_grad(set_to_none=False)
@@ -217,13 +218,8 @@ def ac_case(args, preset: str, batch: int, seq: int, checkpointing: bool) -> dic
         before, reset = _rss_bytes(), _reset_peak_rss()
         step()
         peak = _peak_rss_bytes(reset) - before
-    times = []
-    for _ in range(args.repeats):
-        model.zero_grad(set_to_none=False)
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return dict(peak_mb=peak / MB, step_s=statistics.median(times))
+    timing = time_calls(timed_step, repeats=args.repeats, warmup=0, device=device, grad="grad")
+    return dict(peak_mb=peak / MB, step_s=timing.median)
 
 
 def bench_checkpointing(args) -> list[dict]:
@@ -246,15 +242,6 @@ def bench_checkpointing(args) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------ output
-def table(rows: list[dict], headers: dict[str, str]) -> str:
-    def cell(v):
-        return f"{v:.3g}" if isinstance(v, float) and abs(v) < 10 else (f"{v:.1f}" if isinstance(v, float) else str(v))
-
-    lines = ["| " + " | ".join(headers.values()) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(cell(r[k]) for k in headers) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def plot(tp_rows, train_rows, ac_rows, path: Path) -> None:
     from matplotlib.figure import Figure
 
@@ -288,8 +275,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2, help="training: sequences per rank")
     p.add_argument("--seq", type=int, default=128, help="training: tokens per sequence")
     p.add_argument("--repeats", type=int, default=7, help="checkpointing: timed steps (median)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--device", default="cpu", help="checkpointing only (cpu or cuda)")
+    add_common_args(p, threads=1, plot=None)  # --device: the checkpointing table only; --plot: a flag here
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--plot", action="store_true", help="write out/parallel.png")
     p.add_argument("--ac-presets", default="gpt2-small:2x128,llama-style:8x256",

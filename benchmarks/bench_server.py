@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from _common import add_common_args, add_serving_args, apply_common_args, time_call
 from tqdm import tqdm
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM
@@ -57,20 +58,14 @@ CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;!?'-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=64, help="requests per rate")
-    p.add_argument("--min-len", type=int, default=16, help="shortest prompt and output")
-    p.add_argument("--max-len", type=int, default=128, help="longest prompt and output")
+    add_serving_args(p, max_len=128, requests_help="requests per rate")
     p.add_argument("--rates", default="0.5,1.25,2.5", help="finite request rates, as multiples of the serial capacity")
     p.add_argument("--pairs", type=int, default=2, help="saturated server runs, each right after an offline run")
     p.add_argument("--lone-requests", type=int, default=8, help="requests sent one at a time for the reference")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--n-layer", type=int, default=6)
     p.add_argument("--d-model", type=int, default=384)
-    p.add_argument("--threads", type=int, default=1, help="torch threads, server and offline alike")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", metavar="PNG", help="latency percentiles vs request rate")
+    add_common_args(p, threads=1, device=False, plot="latency percentiles vs request rate")  # server and offline
     return p.parse_args(argv)
 
 
@@ -98,9 +93,8 @@ def offline_tokens_per_s(model, workload, args) -> float:
                        max_num_batched_tokens=args.max_num_batched_tokens)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in workload]
     engine.generate([p for p, _ in workload[:2]], params[:2], use_tqdm=False)  # warm up
-    start = time.perf_counter()
-    outputs = engine.generate([p for p, _ in workload], params, use_tqdm=False)
-    return sum(len(o) for o in outputs) / (time.perf_counter() - start)
+    outputs, seconds = time_call(lambda: engine.generate([p for p, _ in workload], params, use_tqdm=False))
+    return sum(len(o) for o in outputs) / seconds
 
 
 # ------------------------------------------------------------------------------------ the server
@@ -287,7 +281,7 @@ def measure(args, workload, checkpoint: Path, model) -> tuple[list, list, float,
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    apply_common_args(args)
     print(f"load before: {os.getloadavg()[0]:.2f} (1-min average) on {os.cpu_count()} cores")
     workload = make_workload(args.requests, args, args.seed)
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,6 +37,7 @@ import statistics
 import time
 
 import torch
+from _common import add_common_args, add_serving_args, apply_common_args, time_call, time_interleaved
 from bench_structured import add_arguments as add_structured_arguments  # a sibling file: benchmarks/ is on sys.path
 from bench_structured import structured_workload
 from tqdm import tqdm
@@ -47,30 +48,26 @@ from mini_transformer.engine import LLMEngine
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--min-len", type=int, default=16, help="shortest prompt and output")
-    p.add_argument("--max-len", type=int, default=256, help="longest prompt and output")
+    add_serving_args(p, max_len=256)
     p.add_argument("--static-batch", type=int, default=8)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=256)
     p.add_argument("--suffix-len", type=int, default=16)
     p.add_argument("--prefix-output", type=int, default=16, help="tokens generated per prefix request")
     p.add_argument("--ways", nargs="+", default=["one-at-a-time", "static", "engine"],
                    choices=["one-at-a-time", "static", "engine"], help="engine is always run")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads for every way (1: on a shared, busy machine more threads only contend)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--plot", metavar="PNG", help="draw the block pool over time to this PNG")
+    add_common_args(p, threads=1, plot="draw the block pool over time to this PNG")  # 1 thread: a busy machine
     p.add_argument("--sampled", action="store_true", help="also: sampled vs greedy engine tokens/s, and a profile")
-    p.add_argument("--vocab-size", type=int, help="the model's vocabulary (default: the llama-style preset's 256)")
-    p.add_argument("--rounds", type=int, default=2, help="--sampled: greedy/sampled runs, alternating")
     p.add_argument("--structured", action="store_true",
                    help="also: half the requests JSON-schema constrained vs none (bench_structured.py)")
     add_structured_arguments(p)
+    p.add_argument("--vocab-size", type=int, help="the model's vocabulary (default: the llama-style preset's 256)")
+    p.add_argument("--rounds", type=int, default=2, help="--sampled: greedy/sampled runs, alternating")
+    p.add_argument("--hf-peer", action="store_true",
+                   help="only the Hugging Face continuous-batching comparison: a Llama of vocab 8192, "
+                        "48 prompts of 16-256 tokens, 64 greedy tokens each, ours vs model.generate_batch, "
+                        "alternating, with the host share of our steps")
     p.add_argument("--quick", action="store_true",
                    help="a small run (16 requests of 16-64 tokens, 8 prefix requests on a 64-token prefix)")
     args = p.parse_args(argv)
@@ -94,12 +91,6 @@ class ForwardCounter:
 
     def _hook(self, *_):
         self.calls += 1
-
-
-def timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start
 
 
 def one_at_a_time(model, prompts, out_lens, device):
@@ -163,17 +154,17 @@ def main_workload(model, args, counter):
     rows, reference = [], None
     if "one-at-a-time" in args.ways:
         counter.calls = 0
-        (reference, waste), seconds = timed(lambda: one_at_a_time(model, prompts, out_lens, args.device))
+        (reference, waste), seconds = time_call(lambda: one_at_a_time(model, prompts, out_lens, args.device))
         rows.append(["one-at-a-time", seconds, counter.calls, waste])
     if "static" in args.ways:
         counter.calls = 0
-        (static_out, waste), seconds = timed(
+        (static_out, waste), seconds = time_call(
             lambda: static_batches(model, prompts, out_lens, args.static_batch, args.device))
         rows.append([f"static batches of {args.static_batch}", seconds, counter.calls, waste])
         reference = reference or static_out
     counter.calls = 0
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in out_lens]
-    (outputs, record, stats), seconds = timed(lambda: run_engine(model, prompts, params, args))
+    (outputs, record, stats), seconds = time_call(lambda: run_engine(model, prompts, params, args))
     in_use = sum(r[3] for r in record)
     rows.append(["engine", seconds, counter.calls, 1 - sum(r[4] for r in record) / in_use if in_use else 0.0])
     base = rows[0][1]
@@ -206,20 +197,19 @@ def sampled_workload(model, args):
     out_lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.requests)]
     ways = {"greedy": [SamplingParams(max_tokens=n, ignore_eos=True) for n in out_lens],
             "sampled": sampled_params(out_lens)}
-    seconds = {name: [] for name in ways}
-    for _ in range(args.rounds):
-        for name, params in ways.items():
-            seconds[name].append(timed(lambda p=params, n=name: run_engine(model, prompts, p, args, desc=n))[1])
+    runs = {name: (lambda p=params, n=name: run_engine(model, prompts, p, args, desc=n))
+            for name, params in ways.items()}
+    timings = time_interleaved(runs, repeats=args.rounds, warmup=0, device=args.device, grad="grad")
     n_tokens = sum(out_lens)
-    greedy = min(seconds["greedy"])
+    greedy = timings["greedy"].median
     print(f"\nsampled workload: {args.requests} requests, {n_tokens} output tokens; sampled = temperature 0.8, "
-          f"top-p 0.95, half with repetition penalty 1.1; {args.rounds} alternating runs each, best shown; "
+          f"top-p 0.95, half with repetition penalty 1.1; {args.rounds} alternating runs each, median shown; "
           f"uptime load {os.getloadavg()[0]:.2f}\n")
-    print("| engine | seconds (each run) | output tok/s (best) | × greedy |")
+    print("| engine | seconds (each run) | output tok/s (median) | × greedy |")
     print("|---|---|---:|---:|")
-    for name, secs in seconds.items():
-        runs = ", ".join(f"{t:.1f}" for t in secs)
-        print(f"| {name} | {runs} | {n_tokens / min(secs):.1f} | {greedy / min(secs):.2f}× |")
+    for name, timing in timings.items():
+        each = ", ".join(f"{t:.1f}" for t in timing.times)
+        print(f"| {name} | {each} | {n_tokens / timing.median:.1f} | {greedy / timing.median:.2f}× |")
     profile_sampled_steps(model, prompts, ways["sampled"], args)
 
 
@@ -320,9 +310,92 @@ def plot(path, main_record, prefix_record, args):
     print(f"wrote {path}")
 
 
+# ------------------------------------------------------------- Hugging Face continuous batching
+def hf_llama_pair(vocab: int, max_len: int):
+    """A random HF Llama shaped like the llama-style preset and ours imported from it: the same weights."""
+    import tempfile
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = TransformerConfig.from_preset("llama-style", vocab_size=vocab, max_seq_len=max_len)
+    hf_cfg = LlamaConfig(vocab_size=vocab, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+                         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_heads,
+                         num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=max_len,
+                         rms_norm_eps=cfg.norm_eps, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(hf_cfg).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        ours = TransformerLM.from_pretrained(tmp)  # a HF directory: attn_backend "sdpa"
+    return ours.eval(), hf
+
+
+class ForwardTimer:
+    """Seconds spent inside the model's forward pass (a pre and a post hook), to split a step into the
+    model's work and the host's (scheduling, inputs, sampling, outputs)."""
+
+    def __init__(self, model):
+        self.seconds, self._start = 0.0, 0.0
+        model.register_forward_pre_hook(lambda *_: setattr(self, "_start", time.perf_counter()))
+        model.register_forward_hook(self._stop)
+
+    def _stop(self, *_):
+        self.seconds += time.perf_counter() - self._start
+
+
+def host_share(model, prompts, params, args) -> tuple[float, list[list[int]], float]:
+    """Run the engine; return (seconds, outputs, host share = 1 - forward time / step time)."""
+    timer = ForwardTimer(model)
+    engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
+    engine.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)  # compile, warm up
+    timer.seconds = 0.0
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return seconds, outputs, 1 - timer.seconds / seconds
+
+
+def hf_peer_workload(args, n_prompts=48, new_tokens=64, runs=2):
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    ours, hf = hf_llama_pair(8192, 2 * args.max_len)
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(8192) for _ in range(rng.randint(args.min_len, args.max_len))]
+               for _ in range(n_prompts)]
+    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
+    cb = ContinuousBatchingConfig(
+        block_size=args.block_size, num_blocks=4096, max_batch_tokens=args.max_num_batched_tokens,
+        max_requests_per_batch=args.max_num_seqs)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    times = {"engine": [], "hf": []}
+    for _ in range(runs):  # alternating: ours, theirs, ours, theirs
+        seconds, ours_out, share = host_share(ours, prompts, params, args)
+        times["engine"].append(seconds)
+        start = time.perf_counter()
+        result = hf.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+        times["hf"].append(time.perf_counter() - start)
+    hf_out = [list(result[f"req_{i}"].generated_tokens) for i in range(n_prompts)]
+    same = sum(a == b for a, b in zip(ours_out, hf_out, strict=True))
+    n_tokens = n_prompts * new_tokens
+    print(f"\nHF peer: {n_prompts} prompts of {args.min_len}-{args.max_len} tokens, {new_tokens} greedy tokens each, "
+          f"Llama 6x384 GQA vocab 8192, same weights; uptime load {os.getloadavg()[0]:.2f}\n")
+    print("| way | seconds (each run) | output tok/s (best) | × HF generate_batch |")
+    print("|---|---|---:|---:|")
+    best_hf = min(times["hf"])
+    for name, label in (("hf", "HF model.generate_batch"), ("engine", "engine")):
+        runs_text = ", ".join(f"{t:.2f}" for t in times[name])
+        print(f"| {label} | {runs_text} | {n_tokens / min(times[name]):.1f} | {best_hf / min(times[name]):.2f}× |")
+    print(f"\noutputs identical to HF's: {same} of {n_prompts}; engine host share of a step (last run): {share:.1%}")
+
+
 def main(argv=None):
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    apply_common_args(args)
+    if args.hf_peer:
+        with torch.inference_mode():
+            hf_peer_workload(args)
+        return
     model = build_model(args)
     counter = ForwardCounter(model)
     with torch.inference_mode():

@@ -31,6 +31,7 @@ import random
 import time
 
 import torch
+from _common import add_common_args, add_serving_args
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM
 from mini_transformer.engine import LLMEngine
@@ -137,15 +138,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--min-len", type=int, default=16)
-    p.add_argument("--max-len", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--threads", type=int, default=1)
+    add_serving_args(p, max_len=256)
+    add_common_args(p, threads=1, plot=None)  # 1 thread: a busy machine
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="16 requests of 16-64 tokens")
     add_arguments(p)

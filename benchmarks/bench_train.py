@@ -21,13 +21,12 @@ variant's in the same round, all in one process.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from _common import Timing, add_common_args, apply_common_args, time_calls
 
 from mini_transformer import TransformerConfig, TransformerLM
 from mini_transformer.tokenizer import CharTokenizer
@@ -66,7 +65,7 @@ def run(model_cfg: TransformerConfig, args, steps: int, out: Path, **changes):
                       device=args.device, out_dir=str(out), num_samples=0, progress=not args.quiet, **changes)
     result = train(cfg, model_cfg)
     times = result.step_times[min(WARMUP_STEPS, len(result.step_times) // 2):]
-    ms = 1000 * statistics.median(times)
+    ms = Timing(times).ms
     return result, ms, result.tokens_per_step / (ms / 1000)
 
 
@@ -117,7 +116,7 @@ def quality(args, vocab_size: int, work: Path) -> dict:
     return rows
 
 
-def plain_loop_times(vocab_size: int, args, steps: int) -> list[float]:
+def plain_loop_times(vocab_size: int, args, steps: int) -> Timing:
     """The reference: the gpt2 model trained by the plainest loop on the same kind of batches, with
     torch.optim.AdamW at its defaults; nothing else (no schedule, clipping, accumulation or autocast)."""
     torch.manual_seed(args.seed)
@@ -126,17 +125,17 @@ def plain_loop_times(vocab_size: int, args, steps: int) -> list[float]:
     text = load_text(args.data)[0]
     train_data, _ = split_tokens(torch.tensor(CharTokenizer.train(text).encode(text)), 64)
     generator = torch.Generator().manual_seed(args.seed)
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
+
+    def step():
         x, y = get_batch(train_data, 12, 64, generator)  # (B, T), (B, T)
         _, loss = model(x.to(args.device), y.to(args.device))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss.item()  # our loop reads the loss every step too
-        times.append(time.perf_counter() - started)
-    return times[min(WARMUP_STEPS, steps // 2):]
+
+    warmup = min(WARMUP_STEPS, steps // 2)
+    return time_calls(step, repeats=steps - warmup, warmup=warmup, device=args.device, grad="grad")
 
 
 def speed(args, vocab_size: int, work: Path) -> list:
@@ -153,7 +152,7 @@ def speed(args, vocab_size: int, work: Path) -> list:
     ms = {label: [] for label in labels}
     for round_ in range(args.rounds):
         print(f"\n== speed round {round_ + 1}/{args.rounds}: the plain loop, then {len(variants)} variants", flush=True)
-        ms[PLAIN_LOOP].append(1000 * statistics.median(plain_loop_times(vocab_size, args, args.speed_steps)))
+        ms[PLAIN_LOOP].append(plain_loop_times(vocab_size, args, args.speed_steps).ms)
         for label, model_changes, train_changes in variants:
             _, step_ms, _ = run(gpt2_config(vocab_size, **model_changes), args, args.speed_steps,
                                 work / f"speed-{round_}-{labels.index(label)}",
@@ -212,13 +211,11 @@ def main() -> None:
     parser.add_argument("--speed-steps", type=int, default=0, help="steps per speed variant and round (0 = skip)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the speed variants, taken in turns")
     parser.add_argument("--compile", action="store_true", help="torch.compile the quality runs; add a speed row")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    parser.add_argument("--plot", metavar="PNG", help="write the loss curves (and step times) here")
+    add_common_args(parser, plot="write the loss curves (and step times) here")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    apply_common_args(args)
     vocab_size = CharTokenizer.train(load_text(args.data)[0]).vocab_size
     print(f"torch {torch.__version__}, {args.threads} threads, device {args.device}, vocab {vocab_size}")
     with tempfile.TemporaryDirectory() as tmp:

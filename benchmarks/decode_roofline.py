@@ -1,6 +1,6 @@
 """The roofline of batch-1 decoding, for bench_decode_speed.py: the machine's memory bandwidth, the bytes
 one decode step reads, and the plot of tokens/s against bytes per token under the ceiling
-bandwidth / bytes per token. bench_decode.py borrows its synchronize."""
+bandwidth / bytes per token."""
 
 from __future__ import annotations
 
@@ -8,16 +8,11 @@ import time
 
 import torch
 import torch.nn as nn
+from _common import synchronize
 
 from mini_transformer import TransformerConfig
 from mini_transformer.model.layers import RMSNorm
 from mini_transformer.model.quantize import Int4Linear, Int8Linear
-
-
-def synchronize(device: str) -> None:
-    """Wait for the device's queued work, so a timer read after it sees the whole run (no-op on the CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def measure_bandwidth(device: str = "cpu", mbytes: int = 256, repeats: int = 5) -> tuple[float, float]:

@@ -279,34 +279,37 @@ def test_model_cached_decode_matches_full_forward(backend):
 
 # ----------------------------------------------------------------------------------- the errors
 def test_tiled_refuses_dropout_and_bad_blocks():
+    from mini_transformer.attention.tiled import check_tiled
+
     q, k, v, _ = make_inputs(1, 2, 2, 8, 8, 8, torch.float32)
     with pytest.raises(ValueError, match="dropout_p=0.1.*naive"):
         attention(q, k, v, dropout_p=0.1, backend="tiled")
     with pytest.raises(ValueError, match="block_q=0"):
-        tiled_attention(q, k, v, causal=True, key_padding_mask=None, dropout_p=0.0, scale=1.0, block_q=0)
+        check_tiled(0.0, block_q=0)
 
 
 def test_triton_rejects_what_it_cannot_run(monkeypatch):
+    """The checks run once where the backend is chosen (attention(), the model's doors): check_triton."""
     from mini_transformer.attention import triton_flash
 
     q, k, v, _ = make_inputs(1, 2, 2, 8, 8, 16, torch.float32)
-    kwargs = dict(causal=True, key_padding_mask=None, dropout_p=0.0, scale=0.25)
+    check = triton_flash.check_triton
     with pytest.raises(ValueError, match="dropout_p=0.1.*naive"):
         attention(q, k, v, dropout_p=0.1, backend="triton")
     with pytest.raises(TypeError, match="float64"):
-        triton_flash.triton_attention(q.double(), k.double(), v.double(), **kwargs)
+        attention(q.double(), k.double(), v.double(), backend="triton")
     with pytest.raises(ValueError, match="D=8"):
-        triton_flash.triton_attention(q[..., :8], k[..., :8], v[..., :8], **kwargs)
+        attention(q[..., :8], k[..., :8], v[..., :8], backend="triton")
     with pytest.raises(ValueError, match="input_precision='fast'"):
-        triton_flash.triton_attention(q, k, v, **kwargs, input_precision="fast")
+        check(q.dtype, 16, q.device, input_precision="fast")
     with pytest.raises(ValueError, match="block_m=24"):
-        triton_flash.triton_attention(q, k, v, **kwargs, block_m=24)
+        check(q.dtype, 16, q.device, block_m=24)
     monkeypatch.setattr(triton_flash, "_kernels_are_interpreted", lambda: False)
     with pytest.raises(ValueError, match="device 'cpu'.*TRITON_INTERPRET=1"):
-        triton_flash.triton_attention(q, k, v, **kwargs)
+        attention(q, k, v, backend="triton")
     monkeypatch.setattr(triton_flash, "triton", None)
     with pytest.raises(ImportError, match="triton"):
-        triton_flash.triton_attention(q, k, v, **kwargs)
+        check(q.dtype, 16, q.device)
 
 
 COMPILE_FOR_SM90 = """

@@ -136,7 +136,8 @@ def test_abort_frees_blocks_at_once(model):
     ([1, VOCAB], SamplingParams(), "vocab_size"),
     ([1, -1], SamplingParams(), "vocab_size"),
     ([[1, 2]], SamplingParams(), "token ids"),
-    ([1] * 60, SamplingParams(max_tokens=10), "max_seq_len"),
+    ([1] * 60, SamplingParams(max_tokens=10), r"max_seq_len=64; max_tokens <= 4 fits after this prompt"),
+    ([1] * 64, SamplingParams(max_tokens=1), r"max_seq_len=64; shorten the prompt"),
     ([1] * 20, SamplingParams(max_tokens=30), "num_blocks"),
     ([1, 2], SamplingParams(stop_token_ids=[VOCAB + 3]), "stop_token_ids"),
 ])
@@ -186,29 +187,40 @@ def test_triton_backend_walks_the_block_tables_in_its_kernel():
         LLMEngine(model, block_size=3, num_blocks=4)
 
 
-@pytest.mark.parametrize("backend, layout", [("sdpa", "gathered"), ("triton", "block_table")])
-def test_each_step_builds_only_the_metadata_layout_its_backend_reads(monkeypatch, backend, layout):
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_each_step_builds_its_metadata_once_from_the_persistent_block_table(monkeypatch, backend):
+    """One metadata build per step, every layer reads it; the block tables it gets are the rows of the
+    runner's persistent BlockTable, equal to each sequence's block list (rows freed when requests end)."""
     from mini_transformer.attention.paged import PagedAttentionMetadata
 
     if backend == "triton":
         pytest.importorskip("triton")
-    cfg = TransformerConfig(vocab_size=VOCAB, d_model=32, n_heads=2, n_layer=1, d_ff=32, max_seq_len=32,
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=32, n_heads=2, n_layer=2, d_ff=32, max_seq_len=32,
                             attn_backend=backend)
     model = TransformerLM(cfg).eval()
+    engine = LLMEngine(model, block_size=4, num_blocks=20, max_num_batched_tokens=6)
     built, build = [], PagedAttentionMetadata.build.__func__
 
-    def spy(cls, *args, **kwargs):
-        meta = build(cls, *args, **kwargs)
-        built.append(meta.layouts)
-        return meta
+    def spy(cls, tables, *args, **kwargs):
+        built.append(len(tables))
+        for row, blocks in zip(tables, [list(seq.block_table) for seq, _ in engine._plan], strict=True):
+            assert row[:len(blocks)].tolist() == blocks
+        return build(cls, tables, *args, **kwargs)
 
     monkeypatch.setattr(PagedAttentionMetadata, "build", classmethod(spy))
-    engine = LLMEngine(model, block_size=4, num_blocks=20)
-    assert engine.runner.attention_layout == layout
-    prompts = make_prompts()[:2]
+    prompts = make_prompts()[:3]
+    steps_before = engine.stats()["steps"]
+    original = engine.runner.prepare
+
+    def prepare(scheduled, extra_rows):
+        engine._plan = scheduled
+        return original(scheduled, extra_rows)
+
+    monkeypatch.setattr(engine.runner, "prepare", prepare)
     assert engine.generate(prompts, SamplingParams(max_tokens=3), use_tqdm=False) == [alone(model, p, 3)
                                                                                         for p in prompts]
-    assert built and set(built) == {(layout,)}
+    assert len(built) == engine.stats()["steps"] - steps_before  # once per step, not per layer
+    assert engine.runner.block_table.row_of == {}  # every finished request gave its row back
 
 
 def test_a_failing_forward_pass_ends_its_requests_and_leaves_the_engine_usable(model, monkeypatch):
@@ -269,7 +281,7 @@ def test_engine_on_cuda_equals_generate(backend):
     paged attention (gathered for sdpa, the Triton kernel for triton) and sampling all on the device."""
     if backend == "triton":
         pytest.importorskip("triton")
-        from mini_transformer.attention.triton_paged import _kernels_are_interpreted
+        from mini_transformer.attention.triton_flash import _kernels_are_interpreted
 
         if _kernels_are_interpreted():
             pytest.skip("TRITON_INTERPRET=1: the kernels would not run on the GPU")
@@ -325,3 +337,43 @@ def test_tokens_between_is_the_slice_of_the_whole_token_list(prompt_len, output_
     for start in range(total + 1):
         for end in range(start, total + 2):
             assert seq.tokens_between(start, end) == seq.tokens[start:end], (start, end)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_graph_decode_equals_eager_on_cuda():
+    """Decode-only steps replay captured CUDA graphs (padded to a bucket); eager (enforce_eager) must give
+    the same tokens, for batch sizes on and between the buckets."""
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=64, n_heads=4, n_kv_heads=2, n_layer=2, d_ff=128,
+                            max_seq_len=64, pos_emb="rope", norm="rmsnorm", ffn="swiglu", attn_backend="sdpa")
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).cuda().eval()
+    prompts = make_prompts()[:5]
+    params = SamplingParams(max_tokens=6)
+    graphs = LLMEngine(model, block_size=4, num_blocks=100, max_num_seqs=8)
+    assert graphs.runner.graphs is not None
+    eager = LLMEngine(model, block_size=4, num_blocks=100, max_num_seqs=8, enforce_eager=True)
+    assert eager.runner.graphs is None
+    assert graphs.generate(prompts, params, use_tqdm=False) == eager.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_sampled_engine_step_never_syncs_on_cuda():
+    """After the prompts are in, a sampled decode step makes no hidden host<->device sync: the one read of
+    the sampled ids is the step's only one (done outside the checked region by read_back's .tolist)."""
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=64, n_heads=4, n_kv_heads=2, n_layer=2, d_ff=128,
+                            max_seq_len=64, pos_emb="rope", norm="rmsnorm", ffn="swiglu", attn_backend="sdpa")
+    model = TransformerLM(cfg).cuda().eval()
+    engine = LLMEngine(model, block_size=4, num_blocks=100, max_num_seqs=8, enforce_eager=True)
+    for prompt in make_prompts()[:3]:
+        engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=1))
+    engine.step()  # the prompts
+    scheduled = engine.scheduler.schedule().scheduled
+    runner = engine.runner
+    with torch.inference_mode():
+        idx, positions, rows, meta, _ = runner.prepare(scheduled, [])
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = runner.forward(idx, positions, rows, meta)
+            runner.sampler.sample(logits, [seq for seq, _ in scheduled])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

@@ -149,3 +149,23 @@ def test_caching_off_registers_nothing(caching):
     manager = BlockManager(num_blocks=10, block_size=BS, enable_prefix_caching=caching)
     run_prompt(manager, seq(list(range(9))))
     assert bool(manager.hash_to_block_id) == caching
+
+
+def test_block_table_rows_follow_each_sequence_and_grow_past_their_count():
+    """The runner's persistent BlockTable: appended blocks land in the row, a new list (re-admission)
+    rewrites it, and more live sequences than rows grow the array (the row numbers stay valid)."""
+    from types import SimpleNamespace
+
+    from mini_transformer.engine.block_table import BlockTable
+
+    table = BlockTable(max_blocks_per_seq=4, rows=1)
+    a, b = SimpleNamespace(request_id="a", block_table=[3]), SimpleNamespace(request_id="b", block_table=[5, 6])
+    rows = table.rows_for([a, b])  # two sequences, one row: it grows
+    a.block_table.append(7)
+    rows = table.rows_for([a, b])
+    assert table.table[rows][:, :2].tolist() == [[3, 7], [5, 6]]
+    a.block_table = [9]  # preempted and admitted again: a new list
+    assert table.table[table.rows_for([a])][0, 0] == 9
+    table.release("a")
+    c = SimpleNamespace(request_id="c", block_table=[1])
+    assert table.rows_for([c]).tolist() == [rows[0]]  # a's row is reused

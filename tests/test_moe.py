@@ -252,3 +252,16 @@ def test_head_dim_apart_from_d_model():
     model = TransformerLM(cfg)
     assert model.blocks[0].attn.W_o.weight.shape == (24, 32)
     assert model(torch.randint(0, 50, (1, 5)))[0].shape == (1, 5, 50)
+
+
+def test_padded_grouped_matmul_equals_the_loop():
+    """The CUDA path without a grouped kernel (no host read): each expert's rows in their own padded slab."""
+    from mini_transformer.model.moe import grouped_matmul_loop, padded_grouped_matmul
+
+    gen = torch.Generator().manual_seed(0)
+    experts = torch.tensor([0, 0, 2, 2, 2, 3])  # sorted; expert 1 gets no row
+    counts = torch.bincount(experts, minlength=4)
+    x = torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(4, 5, 8, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(padded_grouped_matmul(x, weight, counts, experts),
+                               grouped_matmul_loop(x, weight, counts), atol=1e-12, rtol=0)

@@ -7,13 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mini_transformer.attention import PagedAttentionMetadata, attention, get_backend, paged_attention, write_kv
-from mini_transformer.attention.paged import BLOCK_TABLE, GATHERED, LAYOUTS
+from mini_transformer.attention.paged import paged_decode_attention
 
 
 def scatter_sequences(context_lens, query_lens, block_size, H, Hkv, D, dtype, seed=0):
@@ -46,12 +47,12 @@ def scatter_sequences(context_lens, query_lens, block_size, H, Hkv, D, dtype, se
     return tables, seqs, packed, k_cache, v_cache
 
 
-def run_paged(context_lens, query_lens, block_size, H, Hkv, D, dtype, attend=None, seed=0):
+def run_paged(context_lens, query_lens, block_size, H, Hkv, D, dtype, attend=None, seed=0, compiled=False):
     tables, seqs, (q, k, v), k_cache, v_cache = scatter_sequences(
         context_lens, query_lens, block_size, H, Hkv, D, dtype, seed)
     meta = PagedAttentionMetadata.build(tables, context_lens, query_lens, block_size)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = paged_attention(q, k_cache, v_cache, meta, attend)  # (N, H, D)
+    out = paged_attention(q, k_cache, v_cache, meta, attend, compiled=compiled)  # (N, H, D)
     return out, seqs, tables, k_cache
 
 
@@ -111,33 +112,53 @@ def test_paged_equals_contiguous_random_shapes(data, block_size, groups):
     torch.testing.assert_close(out, contiguous(seqs, torch.float64), atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_one_layout_alone_builds_what_both_build(layout):
-    """The engine builds only the layout its backend reads: the kernels must get the same inputs."""
+def test_compiled_decode_equals_contiguous():
+    """The compiled decode path (the one the engine runs on the CPU): one compile serves every batch size
+    and table width (they are dynamic), decode-only steps and decode rows beside prefill rows alike."""
+    for context_lens, query_lens in ([7, 20, 3, 12], [1, 1, 1, 1]), ([40, 6, 1, 19, 2], [1, 6, 1, 5, 1]), \
+            ([33, 9], [1, 1]):
+        out, seqs, _, _ = run_paged(context_lens, query_lens, 4, 4, 2, 8, torch.float32, compiled=True)
+        assert (out - contiguous(seqs, torch.float32)).abs().max() <= 1e-6
+
+
+def test_decode_reads_only_each_sequences_own_blocks():
+    """Poison every slot a decode row must not see (other sequences' blocks, its last block's tail): the
+    output is unchanged, so the -inf mask and the block-table walk hold."""
+    context_lens, query_lens, block_size = [5, 9, 2], [1, 1, 1], 4
+    tables, seqs, (q, k, v), k_cache, v_cache = scatter_sequences(context_lens, query_lens, block_size, 4, 2, 8,
+                                                                 torch.float64)
+    meta = PagedAttentionMetadata.build(tables, context_lens, query_lens, block_size)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    seen = {t[p // block_size] * block_size + p % block_size for t, n in zip(tables, context_lens, strict=True)
+            for p in range(n)}
+    unseen = torch.tensor(sorted(set(range(k_cache.shape[0])) - seen))
+    before = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, block_size, 8 ** -0.5)
+    k_cache[unseen], v_cache[unseen] = 1e4, -1e4  # large: any weight leaking onto them would show
+    after = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, block_size, 8 ** -0.5)
+    assert torch.equal(before, after)
+    torch.testing.assert_close(after, contiguous(seqs, torch.float64), atol=1e-12, rtol=0)
+
+
+def test_metadata_has_the_varlen_fields():
+    """slot_mapping walked token by token; query_start_loc the running sum of query lengths; block tables
+    padded with block 0; a numpy table (the engine's persistent BlockTable rows) gives the same."""
     context_lens, query_lens, block_size = [17, 8, 33, 1, 5], [4, 8, 1, 1, 1], 4
     tables, *_ = scatter_sequences(context_lens, query_lens, block_size, 2, 1, 4, torch.float32)
-    both = PagedAttentionMetadata.build(tables, context_lens, query_lens, block_size)
-    alone = PagedAttentionMetadata.build(tables, context_lens, query_lens, block_size, layouts=(layout,))
+    meta = PagedAttentionMetadata.build(tables, context_lens, query_lens, block_size)
     walked = [t[p // block_size] * block_size + p % block_size
               for t, n_keys, n_new in zip(tables, context_lens, query_lens, strict=True)
               for p in range(n_keys - n_new, n_keys)]  # the slot of each new token, token by token
-    assert alone.slot_mapping.tolist() == both.slot_mapping.tolist() == walked
-    if layout == GATHERED:
-        assert alone.block_tables is None and alone.token_seq is None and alone.token_pos is None
-        assert len(alone.groups) == len(both.groups) == 2  # the decode group and the prefill group
-        for mine, theirs in zip(alone.groups, both.groups, strict=True):
-            for name in ("key_slots", "key_padding_mask", "token_index", "padded_index"):
-                assert torch.equal(getattr(mine, name), getattr(theirs, name)), name
-            assert (mine.num_seqs, mine.max_query_len) == (theirs.num_seqs, theirs.max_query_len)
-    else:
-        assert layout == BLOCK_TABLE and alone.groups == []
-        for name in ("block_tables", "token_seq", "token_pos"):
-            assert torch.equal(getattr(alone, name), getattr(both, name)), name
-        with pytest.raises(ValueError, match="reads 'gathered'"):
-            paged_attention(torch.zeros(sum(query_lens), 2, 4), torch.zeros(200, 1, 4), torch.zeros(200, 1, 4), alone)
-    for wrong in ((), GATHERED, ("gathered", "blocks")):  # a bare string is not a sequence of layouts
-        with pytest.raises(ValueError, match="layouts="):
-            PagedAttentionMetadata.build(tables, context_lens, query_lens, block_size, layouts=wrong)
+    assert meta.slot_mapping.tolist() == walked
+    assert meta.query_start_loc.tolist() == [0, 4, 12, 13, 14, 15]
+    assert meta.context_lens.tolist() == context_lens
+    assert [row[:len(t)] for row, t in zip(meta.block_tables.tolist(), tables, strict=True)] == tables
+    assert all(x == 0 for row, t in zip(meta.block_tables.tolist(), tables, strict=True) for x in row[len(t):])
+    wide = np.zeros((5, 20), dtype=np.int64)
+    for row, t in zip(wide, tables, strict=True):
+        row[:len(t)] = t
+    from_array = PagedAttentionMetadata.build(wide, context_lens, query_lens, block_size)
+    for name in ("slot_mapping", "block_tables", "context_lens", "query_start_loc"):
+        assert torch.equal(getattr(from_array, name), getattr(meta, name)), name
 
 
 def run_triton(context_lens, query_lens, block_size, H, Hkv, D):
@@ -147,7 +168,7 @@ def run_triton(context_lens, query_lens, block_size, H, Hkv, D):
         context_lens, query_lens, block_size, H, Hkv, D, torch.float32)
     meta = PagedAttentionMetadata.build(tables, context_lens, query_lens, block_size)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = triton_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.token_seq, meta.token_pos, block_size)
+    out = triton_paged_attention(q, k_cache, v_cache, meta)
     return out, seqs
 
 
@@ -172,7 +193,7 @@ backend = triton.compiler.make_backend(target)
 kernel = tp._paged_kernel
 for ty, block_size, head_dim in (("fp16", 16, 64), ("fp32", 1, 128), ("bf16", 4, 32)):
     consts = dict(BLOCK_SIZE=block_size, BLOCK_D=head_dim)
-    pointers = dict(BLOCK_TABLES="*i32", TOKEN_SEQ="*i64", TOKEN_POS="*i64")
+    pointers = dict(BLOCK_TABLES="*i64", CONTEXT_LENS="*i64", QUERY_START_LOC="*i64")
     sig = {n: "constexpr" if n in consts else pointers.get(n, "*" + ty) if n.isupper()
            else "fp32" if n == "scale" else "i32" for n in kernel.arg_names}
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts)
@@ -200,7 +221,8 @@ def test_triton_paged_kernel_compiles_for_a_gpu(tmp_path):
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
 def test_triton_kernel_on_cuda_equals_contiguous(dtype, tolerance):
     pytest.importorskip("triton")
-    from mini_transformer.attention.triton_paged import _kernels_are_interpreted, triton_paged_attention
+    from mini_transformer.attention.triton_flash import _kernels_are_interpreted
+    from mini_transformer.attention.triton_paged import triton_paged_attention
 
     if _kernels_are_interpreted():
         pytest.skip("TRITON_INTERPRET=1: the kernel would not run on the GPU")
@@ -211,8 +233,7 @@ def test_triton_kernel_on_cuda_equals_contiguous(dtype, tolerance):
     to = dict(device="cuda", dtype=dtype)
     k_cache, v_cache = k_cache.to(**to), v_cache.to(**to)
     write_kv(k_cache, v_cache, k.to(**to), v.to(**to), meta.slot_mapping)
-    out = triton_paged_attention(q.to(**to), k_cache, v_cache, meta.block_tables, meta.token_seq, meta.token_pos,
-                                 block_size)
+    out = triton_paged_attention(q.to(**to), k_cache, v_cache, meta)
     reference = contiguous([(a.to(dtype).double(), b.to(dtype).double(), c.to(dtype).double()) for a, b, c in seqs],
                            torch.float64)
     assert (out.double().cpu() - reference).abs().max() <= tolerance

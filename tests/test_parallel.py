@@ -55,7 +55,8 @@ def tp_checks(rank: int, world_size: int, configs: list[dict], cli_args: list[st
             logits = model(idx, attention_mask=mask)[0]
         tokens = generate(model, idx, 12, attention_mask=mask)
         out["models"].append({"logits": logits, "tokens": tokens, "collectives": model.collectives.calls,
-                              "qkv_rows": model.blocks[0].attn.W_qkv.weight.shape[0]})
+                              "qkv_rows": model.blocks[0].attn.W_qkv.weight.shape[0],
+                              "config": model.config.to_dict(), "kv_heads": model.kv_heads})
     try:
         shard_tensor_parallel(build({**GPT2_STYLE, "n_heads": 3, "d_model": 48}))
     except ValueError as err:
@@ -97,6 +98,9 @@ def test_tensor_parallel_equals_one_process(two_ranks, which):
         torch.testing.assert_close(got["logits"], reference, rtol=0, atol=1e-5)
         assert torch.equal(got["tokens"], tokens)
         assert got["qkv_rows"] == (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head // 2  # half the heads
+        # the config stays the whole model's (the residual stream is d_model wide on every rank); the
+        # KV cache is sized by the heads the shard's layers hold
+        assert got["config"] == cfg.to_dict() and got["kv_heads"] == cfg.n_kv_heads // 2
         # per forward: the embedding, two per layer, the head; 1 prefill + 11 decode steps + the logits call
         assert got["collectives"] == (2 * cfg.n_layer + 2) * 13
 

@@ -79,6 +79,12 @@ def test_top_p_keeps_the_token_that_crosses_p(top_p, expected):
     assert kept(top_p_filter(logits, top_p)) == [expected]
 
 
+def test_a_top_p_that_rounds_to_zero_in_float32_keeps_the_top_token():
+    """5e-324 > 0 is a valid top_p, but 0 as a float32 (schemathesis sent it to the server: a 500)."""
+    logits = logits_of([[0.5, 0.3, 0.15, 0.05]])
+    assert kept(top_p_filter(logits, 5e-324)) == [[0]]
+
+
 def test_top_p_works_per_row_in_any_vocabulary_order():
     logits = logits_of([[0.05, 0.15, 0.3, 0.5], [0.1, 0.7, 0.1, 0.1]])
     assert kept(top_p_filter(logits, 0.6)) == [[2, 3], [1]]
@@ -259,7 +265,7 @@ def test_logit_bias_and_min_tokens():
         (dict(logit_bias=[(1, 1.0), (1, 2.0)]), ValueError, "names a token id twice"),
         (dict(logit_bias="x"), TypeError, "logit_bias='x'"),
         (dict(min_tokens=5, max_tokens=4), ValueError, "min_tokens=5 must be <= max_tokens=4"),
-        (dict(min_tokens=-1), ValueError, "min_tokens=-1 must be >= 0"),
+        (dict(min_tokens=-1), ValueError, "min_tokens=-1 must be a non-negative integer"),
         (dict(logprobs=-1), ValueError, "logprobs=-1"),
         (dict(prompt_logprobs=1.0), TypeError, "prompt_logprobs=1.0 must be an int"),
     ],
@@ -282,7 +288,7 @@ def test_logit_bias_is_kept_as_sorted_pairs_so_params_stay_hashable():
         (dict(temperature=math.nan), ValueError, "temperature=nan"),
         (dict(temperature=math.inf), ValueError, "temperature=inf"),
         (dict(temperature="hot"), TypeError, "temperature='hot' must be a number"),
-        (dict(top_k=0), ValueError, "top_k=0 must be >= 1"),
+        (dict(top_k=0), ValueError, "top_k=0 must be a positive integer"),
         (dict(top_k=2.5), TypeError, "top_k=2.5 must be an int"),
         (dict(top_p=0.0), ValueError, r"top_p=0.0 must be in \(0, 1\]"),
         (dict(top_p=1.5), ValueError, r"top_p=1.5 must be in \(0, 1\]"),
@@ -304,8 +310,8 @@ def test_bad_values_raise(kwargs, error, message):
     [
         (dict(max_tokens=0), ValueError, "max_tokens=0 must be a positive integer"),
         (dict(max_tokens=2.0), TypeError, "max_tokens=2.0 must be an int"),
-        (dict(stop_token_ids=[1, -2]), ValueError, r"stop_token_ids=\[1, -2\] must be a list of non-negative"),
-        (dict(stop_token_ids=5), ValueError, "stop_token_ids=5"),
+        (dict(stop_token_ids=[1, -2]), ValueError, r"stop_token_ids contains -2, expected token ids >= 0"),
+        (dict(stop_token_ids=5), TypeError, "stop_token_ids=5 must be a list"),  # the wrong kind: TypeError
     ],
 )
 def test_bad_lengths_and_stops_raise(kwargs, error, message):

@@ -3,13 +3,14 @@ hand (a recording stand-in for the engine loop), so the order of outputs is exac
 
 import asyncio
 import contextlib
+from typing import NamedTuple
 
 import pytest
 
 from mini_transformer import SamplingParams
 from mini_transformer.server.app import ClosingStreamingResponse
 from mini_transformer.server.engine_loop import Accepted, StepOutput
-from mini_transformer.server.generation import Generation
+from mini_transformer.server.generation import Generation, Options
 from mini_transformer.server.protocol import ErrorResponse
 
 
@@ -62,7 +63,7 @@ def test_outputs_queued_together_are_merged_and_a_stopped_choice_ignores_late_ou
     async def scenario():
         loop = RecordingLoop()
         params = [SamplingParams(max_tokens=8, seed=s) for s in (0, 1)]
-        gen = Generation(loop, Codec(), [[1, 2]], [params], stop=["X"])
+        gen = Generation(loop, Codec(), [[1, 2]], [params], Options(stop=("X",)))
         await gen.start()
         # choice 0 hits the stop string; outputs the engine made before the abort still arrive after it
         for index, item in [(0, StepOutput(ids("ab"), False, None)), (1, StepOutput(ids("c"), False, None)),
@@ -78,16 +79,48 @@ def test_outputs_queued_together_are_merged_and_a_stopped_choice_ignores_late_ou
 
     loop, gen, events = asyncio.run(scenario())
     # choice 0's two outputs went out as one piece, cut before "X"; choice 1 ran to its end
-    assert events == [(0, "ab", "stop"), (1, "c", None), (1, "fg", "length")]
-    assert loop.aborted == [0] and gen.finish_reasons == ["stop", "length"]
-    assert [t.out for t in gen.texts] == ["ab", "cfg"] and loop.reserved == 0
+    assert [e[:3] for e in events] == [(0, "ab", "stop"), (1, "c", None), (1, "fg", "length")]
+    assert loop.aborted == [0] and [c.finish_reason for c in gen.choices] == ["stop", "length"]
+    assert [c.out for c in gen.choices] == ["ab", "cfg"] and loop.reserved == 0
+
+
+class Logprob(NamedTuple):  # the engine's TokenLogprob, as the server reads it
+    token_id: int
+    logprob: float
+    top: tuple = ()
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first_and_score_only_drops_the_generated_token():
+    """Prompt logprobs arrive with the first output (the first prompt token's is None); with echo they go
+    out before the text, once. max_tokens=0 (score_only): the one token the engine made is not sent."""
+    async def scenario(score_only):
+        loop = RecordingLoop()
+        gen = Generation(loop, Codec(), [ids("hi")], [[SamplingParams(max_tokens=2)]],
+                         Options(echo=True, logprobs=True, score_only=score_only))
+        await gen.start()
+        prompt_lps = (None, Logprob(ord("i"), -1.5, ((ord("i"), -1.5),)))
+        gen.queue.put_nowait((0, StepOutput(ids("!"), False, None, (Logprob(ord("!"), -0.5),), prompt_lps)))
+        gen.queue.put_nowait((0, StepOutput(ids("?"), True, "length", (Logprob(ord("?"), -2.0),))))
+        events = [e async for e in gen.events()]
+        gen.close()
+        return gen, events
+
+    gen, events = asyncio.run(scenario(False))
+    assert gen.choices[0].out == "hi!?" and gen.completion_tokens == 2
+    assert [(t.token_id, t.logprob) for t in gen.choices[0].tokens] == [
+        (ord("h"), None), (ord("i"), -1.5), (ord("!"), -0.5), (ord("?"), -2.0)]
+    assert events[0].text == "hi!?" and events[-1].finish_reason == "length"  # queued together: one event
+    gen, events = asyncio.run(scenario(True))
+    assert gen.choices[0].out == "hi" and gen.completion_tokens == 0
+    assert [t.token_id for t in gen.choices[0].tokens] == ids("hi")
+    assert [e.finish_reason for e in events] == ["length"]
 
 
 def test_start_gives_up_with_503_when_the_engine_thread_is_gone():
     """Submitted, never accepted, and the engine thread has died: start() must end, not wait forever."""
     loop = RecordingLoop(accepts=False)
     loop.alive = False
-    gen = Generation(loop, Codec(), [[1]], [[SamplingParams(max_tokens=3)]], [])
+    gen = Generation(loop, Codec(), [[1]], [[SamplingParams(max_tokens=3)]], Options())
 
     async def run():
         try:

@@ -64,19 +64,22 @@ class CharCodec:
         return "".join(chr(i) for i in ids)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(text=st.text(alphabet="abc", min_size=1, max_size=30),
        stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=3), max_size=3),
-       cuts=st.lists(st.integers(1, 4), min_size=1, max_size=30))
-def test_stream_pieces_join_to_the_text_cut_at_the_first_completed_stop(text, stops, cuts):
+       cuts=st.lists(st.integers(1, 4), min_size=1, max_size=30),
+       include_stop=st.booleans(), min_tokens=st.integers(0, 6))
+def test_stream_pieces_join_to_the_text_cut_at_the_first_completed_stop(text, stops, cuts, include_stop, min_tokens):
+    """Reference (one character per token): generation stops after the first token, at or past the
+    min_tokens-th, whose text ends a stop string; the text is cut before it (after it: include_stop)."""
     ids = [ord(c) for c in text]
-    expected, hits = text, []  # reference: generation stops after the first token that completes a stop string
-    for end in range(1, len(text) + 1):
-        hits = [i for i in (text[:end].find(s) for s in stops) if i >= 0]
+    expected, hits = text, []
+    for end in range(max(1, min_tokens), len(text) + 1):
+        hits = sorted((end - len(s), end) for s in stops if text[:end].endswith(s))
         if hits:
-            expected = text[:min(hits)]
+            expected = text[:hits[0][1] if include_stop else hits[0][0]]
             break
-    stream = IncrementalText(CharCodec(), stops)
+    stream = IncrementalText(CharCodec(), stops, include_stop, min_tokens)
     pieces, start = [], 0
     for n in cuts * len(ids):  # feed the ids in chunks of the drawn sizes
         if start >= len(ids) or stream.stopped:
@@ -86,6 +89,7 @@ def test_stream_pieces_join_to_the_text_cut_at_the_first_completed_stop(text, st
         pieces.append(stream.add(chunk, final=start >= len(ids)))
     assert "".join(pieces) == expected == stream.out
     assert stream.stopped == bool(hits)
+    assert stream.tokens_used == (hits[0][1] if hits else len(ids))  # the ids after the stop are not in it
 
 
 def test_an_unfinished_character_waits_for_its_next_byte():

@@ -37,7 +37,7 @@ def test_char_unknown_characters_are_named():
 
 def test_char_decode_rejects_out_of_range_ids():
     tok = CharTokenizer.train("abc")
-    with pytest.raises(ValueError, match=r"\[3\]"):
+    with pytest.raises(ValueError, match=r"ids contains 3, expected token ids in \[0, vocab_size=3\)"):
         tok.decode([0, 3])
 
 
@@ -170,3 +170,52 @@ def test_incremental_decoder_flushes_an_unfinished_character_only_at_the_end():
     decoder = IncrementalDecoder(Bytes())
     snowman = list("☃".encode())
     assert decoder.add(snowman[:2]) == "" and decoder.add([], final=True) == "\ufffd"
+
+
+# ------------------------------------------------------------------------ the Hugging Face files
+# every character class a char vocabulary meets: spaces of several kinds, newlines, CR, tab, punctuation
+# that HF's decode clean-up would touch (" ."), accents, CJK, an astral emoji
+HF_ALPHABET = "ab \n\r\t.,'!?éÉ你好😀"
+
+
+@pytest.fixture(scope="module")
+def auto_char(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("char")
+    ours = CharTokenizer.train(HF_ALPHABET)
+    ours.save(path)
+    return ours, AutoTokenizer.from_pretrained(str(path))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(alphabet=HF_ALPHABET, min_size=0, max_size=40))
+def test_autotokenizer_loads_a_char_checkpoint_with_the_same_ids(auto_char, text):
+    """Reference: our CharTokenizer. AutoTokenizer.from_pretrained(dir) encodes to the same ids, adds no
+    special token, and decodes them back to the same text."""
+    ours, theirs = auto_char
+    ids = theirs(text)["input_ids"]
+    assert ids == ours.encode(text)
+    assert theirs.decode(ids) == text
+    assert len(theirs) == ours.vocab_size
+
+
+def test_autotokenizer_loads_a_bpe_checkpoint_with_the_same_ids_and_eos(tmp_path):
+    from transformers import AutoTokenizer
+
+    ours = BPETokenizer.train(TEXT, vocab_size=300)
+    ours.save(tmp_path)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in ("Speak, speak.", "First Citizen:\n All: x", "héllo"):
+        assert theirs(text)["input_ids"] == ours.encode(text)
+        assert theirs.decode(ours.encode(text)) == ours.decode(ours.encode(text))
+    assert theirs.eos_token == "<|endoftext|>" and theirs.eos_token_id == ours.eos_token_id
+    assert load_tokenizer(tmp_path).eos_token_id == ours.eos_token_id
+
+
+def test_saving_keeps_an_existing_tokenizer_config(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}", "eos_token": "a"}))
+    CharTokenizer.train("abc").save(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == "{{ x }}" and config["eos_token"] == "a"
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"

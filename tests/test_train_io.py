@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mini_transformer import TransformerConfig, TransformerLM, checkpoint
-from mini_transformer.checkpoint import CheckpointError
+from mini_transformer.checkpoint import CheckpointError, resolve_checkpoint_dir
 from mini_transformer.cli import main
 from mini_transformer.training import TrainConfig, train
 from mini_transformer.training import io as train_io
@@ -115,6 +115,38 @@ def test_best_is_found_in_the_rename_window(finished_run, tmp_path):
     os.replace(out / "best", out / ".best.old")  # a kill between the two renames of a save
     assert cli(["sample", "--checkpoint", str(out / "best"), "--prompt", "the", "--max-new-tokens", "3"])[0] == 0
     assert TransformerLM.from_pretrained(out / "best").config.d_model == 32
+
+
+def test_a_run_directory_means_its_best_checkpoint_and_says_so(corpus, finished_run, tmp_path, capsys):
+    """Issue 29: `sample`, `serve` and from_pretrained take the run directory `train` printed (RUN = RUN/best,
+    one stderr line says which); --resume still continues from RUN/last."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    (out / "last" / "model.safetensors").write_bytes(b"")  # loading last/ would fail loudly
+    args = ["--prompt", "the", "--max-new-tokens", "5", "--temperature", "0"]
+    code, err = cli(["sample", "--checkpoint", str(out), *args])
+    assert code == 0 and f"loading its best checkpoint {out / 'best'}" in err
+    with contextlib.redirect_stdout(io.StringIO()) as via_best:
+        assert main(["sample", "--checkpoint", str(out / "best"), *args]) == 0
+    with contextlib.redirect_stdout(io.StringIO()) as via_run:
+        main(["sample", "--checkpoint", str(out), *args])
+    assert via_run.getvalue() == via_best.getvalue()  # the same model, the same greedy text
+    capsys.readouterr()
+    model = TransformerLM.from_pretrained(out)
+    assert f"loading its best checkpoint {out / 'best'}" in capsys.readouterr().err
+    torch.testing.assert_close(model.state_dict(), TransformerLM.from_pretrained(out / "best").state_dict())
+    from mini_transformer.server import build_context
+
+    assert build_context(out).model_name == "best"  # the model id the README's examples send
+    os.replace(out / "best", out / ".best.old")  # a kill between the two renames of a save
+    assert resolve_checkpoint_dir(out) == out / ".best.old"
+    os.replace(out / ".best.old", out / "best")
+    (out / "last" / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="last"):
+        find_checkpoint(out)  # resume looks at last/ first: a damaged last/ is named, never skipped
+    shutil.rmtree(out / "best")
+    with pytest.raises(ValueError, match=r"has no config.json.*run directory holding best/"):
+        TransformerLM.from_pretrained(out)  # no best/: the error names what was expected
 
 
 def test_resume_after_the_last_checkpoint_writes_the_end_of_run_files(corpus, finished_run, tmp_path):
@@ -291,3 +323,39 @@ def test_kill_at_every_line_of_a_save_then_resume_is_bit_identical(corpus, tmp_p
         assert all(torch.equal(v, reference.model.state_dict()[k]) for k, v in resumed.model.state_dict().items())
         assert sorted(p.name for p in case.iterdir()) == ["best", "last"], case.name  # leftovers removed
     assert len(resumed_states) >= 3  # before the renames, between them, after them
+
+
+def test_resume_from_another_working_directory_finds_a_relative_data_path(corpus, tmp_path, monkeypatch):
+    """The first run is given --data as a path relative to its working directory; `train --resume` from
+    another directory still reads the same text (the run keeps the file's absolute path)."""
+    monkeypatch.chdir(corpus.parent)
+    out = tmp_path / "run"
+    args = ["train", "--data", corpus.name, "--preset", "tiny", "--set", "max_seq_len=16", "--set", "progress=false",
+            "--set", "num_samples=0", "--set", "eval_batches=1", "--max-steps", "2", "--eval-interval", "2",
+            "--warmup-steps", "1", "--batch-size", "2", "--out", str(out)]
+    assert cli(args)[0] == 0
+    assert load_train_state(out / "last")["data_name"] == str(corpus.resolve())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    code, err = cli(["train", "--resume", str(out), "--max-steps", "4"])
+    assert code == 0, err
+    assert load_train_state(out / "last")["step"] == 4
+
+
+def test_a_tokenizer_of_another_size_is_refused_at_load_naming_both(finished_run, tmp_path):
+    """A checkpoint whose tokenizer has more characters than the model's vocabulary (swapped by hand and
+    the manifest rewritten, as its error message tells): sample refuses it before generating, naming both sizes
+    (it used to fail on the first id past the vocabulary)."""
+    from mini_transformer.tokenizer import CharTokenizer, load_tokenizer
+
+    broken = tmp_path / "broken"
+    shutil.copytree(finished_run / "best", broken)
+    chars = load_tokenizer(broken).chars
+    for name in ("vocab.json", "tokenizer.json", "tokenizer_config.json"):
+        (broken / name).unlink(missing_ok=True)
+    CharTokenizer(chars + ["\u2603"]).save(broken)
+    checkpoint.write_manifest(broken)
+    vocab = TransformerLM.from_pretrained(broken).config.vocab_size
+    code, err = cli(["sample", "--checkpoint", str(broken), "--prompt", chars[1], "--max-new-tokens", "2"])
+    assert code != 0 and f"{vocab + 1} tokens" in err and f"vocab_size is {vocab}" in err, err

@@ -18,6 +18,7 @@ Code behind a door trusts its arguments; these helpers are for the doors only (n
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 
 import torch
@@ -56,6 +57,13 @@ def string(name: str, value, *, empty: bool = True) -> str:
     return value
 
 
+def path_like(name: str, value, what: str = "a path"):
+    """A str or os.PathLike (`what` says which path: "a directory path", ...)."""
+    if not isinstance(value, str | os.PathLike):
+        raise TypeError(f"{name}={value!r} must be {what} (str or os.PathLike)")
+    return value
+
+
 def integer(name: str, value, *, low: int | None = None, high: int | None = None, expected: str = "") -> int:
     """An int (not a bool) in [low, high] (either bound may be None). `expected` overrides the wording."""
     if not _is_int(value):
@@ -67,7 +75,8 @@ def integer(name: str, value, *, low: int | None = None, high: int | None = None
 
 def _int_range(low: int | None, high: int | None) -> str:
     if high is None:
-        return {1: "a positive integer", 0: "an integer >= 0", None: "an integer"}.get(low, f"an integer >= {low}")
+        named = {1: "a positive integer", 0: "a non-negative integer", None: "an integer"}
+        return named.get(low, f"an integer >= {low}")
     if low is None:
         return f"an integer <= {high}"
     return f"an integer in [{low}, {high}]"
@@ -139,7 +148,7 @@ def token_id(name: str, value, vocab_size: int) -> int:
 
 def token_ids(name: str, ids, vocab_size: int | None = None, *, empty: bool = False) -> list[int]:
     """A list/tuple of token ids, or a 1-D integer tensor, as a list of ints. Each id is an int in
-    [0, vocab_size) ([0, inf) when vocab_size is None); `empty=False` refuses an empty sequence."""
+    [0, vocab_size) (any id >= 0 when vocab_size is None); `empty=False` refuses an empty sequence."""
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise ValueError(f"{name} must be a 1-D integer tensor, got shape {tuple(ids.shape)} of dtype {ids.dtype}")
@@ -150,6 +159,6 @@ def token_ids(name: str, ids, vocab_size: int | None = None, *, empty: bool = Fa
         raise ValueError(f"{name} is empty; expected at least one token id")
     for token in ids:
         if not _is_int(token) or token < 0 or (vocab_size is not None and token >= vocab_size):
-            span = f"[0, vocab_size={vocab_size})" if vocab_size is not None else "[0, inf)"
-            raise ValueError(f"{name} contains {token!r}, expected token ids in {span}")
+            expected = f"token ids in [0, vocab_size={vocab_size})" if vocab_size is not None else "token ids >= 0"
+            raise ValueError(f"{name} contains {token!r}, expected {expected}")
     return list(ids)

@@ -1,5 +1,12 @@
 """Tokenizers: characters (the default, vocabulary from the training text) and byte-level BPE
-trained with the Hugging Face `tokenizers` library. Both save to and load from a checkpoint directory."""
+trained with the Hugging Face `tokenizers` library. Both save to and load from a checkpoint directory.
+
+Every directory a tokenizer is saved to also gets a Hugging Face `tokenizer.json` and
+`tokenizer_config.json`, so `transformers.AutoTokenizer.from_pretrained(dir)` (and with it lm-eval,
+guidellm, any HF-speaking tool, offline) gives the same ids as ours. For the character vocabulary that
+file is a word-level model over the characters, each character its own piece, joined back without
+spaces on decoding; ours keeps reading `vocab.json` (it is found first).
+"""
 
 from __future__ import annotations
 
@@ -7,18 +14,16 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from ._checks import integer, token_ids
+
 CHAR_VOCAB_FILE = "vocab.json"
 BPE_FILE = "tokenizer.json"
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"  # a Hugging Face directory names its EOS token here
 
 
 def _checked_ids(ids, vocab_size: int) -> list[int]:
-    """ids as Python ints, every one in [0, vocab_size) (ValueError naming the first few that are not)."""
-    ids = [int(i) for i in ids]
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
-        raise ValueError(f"ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
-    return ids
+    """ids as Python ints, every one in [0, vocab_size) (ValueError naming the first that is not)."""
+    return token_ids("ids", [int(i) for i in ids], vocab_size, empty=True)
 
 
 class CharTokenizer:
@@ -67,6 +72,19 @@ class CharTokenizer:
     def save(self, path: str | Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / CHAR_VOCAB_FILE).write_text(json.dumps({"kind": "char", "chars": self.chars}))
+        self.hf_tokenizer().save(str(Path(path) / BPE_FILE))
+        _write_hf_config(Path(path), self)
+
+    def hf_tokenizer(self):
+        """The same vocabulary as a `tokenizers.Tokenizer`: every character (newlines too) is one piece,
+        looked up in a word-level vocabulary (an unknown character is an error, as in `encode`), and
+        decoding fuses the pieces with nothing between them."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+        tok = Tokenizer(models.WordLevel(vocab=dict(self.stoi), unk_token=None))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one per character
+        tok.decoder = decoders.Fuse()
+        return tok
 
 
 class BPETokenizer:
@@ -83,10 +101,7 @@ class BPETokenizer:
     def train(cls, text: str, vocab_size: int) -> BPETokenizer:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
-            raise TypeError(f"vocab_size={vocab_size!r} must be an int")
-        if vocab_size < 257:
-            raise ValueError(f"vocab_size={vocab_size} must be at least 257 (256 bytes + 1 special token)")
+        integer("vocab_size", vocab_size, low=257, expected="at least 257 (256 bytes + 1 special token)")
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
@@ -115,6 +130,29 @@ class BPETokenizer:
     def save(self, path: str | Path) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         self.tokenizer.save(str(Path(path) / BPE_FILE))
+        _write_hf_config(Path(path), self)
+
+
+def _write_hf_config(path: Path, tokenizer) -> None:
+    """tokenizer_config.json for AutoTokenizer: the fast tokenizer class, no clean-up of spaces on
+    decoding (it would change the text: "a ." -> "a."), and the EOS token when there is one. Keys an
+    existing file already has (a chat template, say) are kept."""
+    file = path / HF_TOKENIZER_CONFIG
+    config = _read_json(file) if file.is_file() else {}
+    config = config if isinstance(config, dict) else {}
+    config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    config.setdefault("clean_up_tokenization_spaces", False)
+    if tokenizer.eos_token_id is not None:
+        config.setdefault("eos_token", tokenizer.decode([tokenizer.eos_token_id]))
+    file.write_text(json.dumps(config, ensure_ascii=False, indent=2))
+
+
+def check_vocab_size(tokenizer, vocab_size: int, where) -> None:
+    """A model and its tokenizer must agree on the vocabulary, or the first id past the smaller one fails
+    mid-generation (or a prompt id indexes past the embedding). Checked when a checkpoint is loaded."""
+    if tokenizer.vocab_size != vocab_size:
+        raise ValueError(f"{where}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                         f"{vocab_size}; they must be equal (was the tokenizer saved with another model?)")
 
 
 def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:

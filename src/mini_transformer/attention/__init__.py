@@ -15,16 +15,17 @@ from collections.abc import Callable
 
 import torch
 
+from .._checks import choice, probability
 from .mask import build_mask, causal_mask
 from .naive import naive_attention
 from .paged import PagedAttentionMetadata, paged_attention, write_kv
 from .sdpa import sdpa_attention
-from .tiled import tiled_attention
+from .tiled import check_tiled, tiled_attention
 
 BACKENDS = ("naive", "sdpa", "tiled", "triton")
 
 __all__ = ["BACKENDS", "PagedAttentionMetadata", "attention", "build_mask", "causal_mask", "check_attention_inputs",
-           "get_backend", "paged_attention", "write_kv"]
+           "check_backend", "get_backend", "paged_attention", "write_kv"]
 
 
 def check_attention_inputs(q, k, v, key_padding_mask, dropout_p) -> None:
@@ -55,24 +56,30 @@ def check_attention_inputs(q, k, v, key_padding_mask, dropout_p) -> None:
             raise ValueError(
                 f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected (B, Tk) = {(B, Tk)}"
             )
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
+    probability("dropout_p", dropout_p, one=False)
+
+
+def check_backend(name: str, dtype: torch.dtype, head_dim: int, device: torch.device, dropout_p: float) -> None:
+    """What a backend cannot run (tiled and triton: no dropout; triton: its dtypes, head sizes, devices),
+    checked once where the backend meets its inputs: attention(), and the doors of the model, generate,
+    the engine and training. The backend functions themselves run in every layer and trust their inputs."""
+    if name == "tiled":
+        check_tiled(dropout_p)
+    elif name == "triton":
+        from .triton_flash import check_triton
+
+        check_triton(dtype, head_dim, device, dropout_p=dropout_p)
 
 
 def get_backend(name: str) -> Callable:
     """The function behind `backend=name`; each takes (q, k, v, *, causal, key_padding_mask, dropout_p,
     scale) and trusts its inputs (`attention()` checks them; the model resolves its backend once)."""
-    if name == "naive":
-        return naive_attention
-    if name == "sdpa":
-        return sdpa_attention
-    if name == "tiled":
-        return tiled_attention
+    choice("backend", name, BACKENDS)
     if name == "triton":  # imported on demand: it needs the triton package, and importing it is slow
         from .triton_flash import triton_attention
 
         return triton_attention
-    raise ValueError(f"backend={name!r} is not known; expected one of {', '.join(BACKENDS)}")
+    return {"naive": naive_attention, "sdpa": sdpa_attention, "tiled": tiled_attention}[name]
 
 
 def attention(
@@ -89,6 +96,7 @@ def attention(
     """softmax(q k^T * scale + mask) v, computed by the chosen backend. Returns (B, H, Tq, D)."""
     fn = get_backend(backend)
     check_attention_inputs(q, k, v, key_padding_mask, dropout_p)
+    check_backend(backend, q.dtype, q.shape[-1], q.device, dropout_p)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return fn(q, k, v, causal=causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale)

@@ -9,25 +9,26 @@ One step of the engine packs the new tokens of every scheduled sequence into one
 padding). Each sequence contributes `query_len` new tokens that are the END of its `context_len` keys
 (a decode step: 1 of L; a prefill chunk or a prefix-cache hit: a suffix; a whole prompt: all of them).
 
-This pure-PyTorch version gathers each sequence's keys through its block table into a left-padded
-(S, Hkv, Lmax, D) tensor, places its queries right-aligned in (S, H, Qmax, D) and runs the ordinary
-attention backend with a key padding mask. Left-padded keys and right-aligned queries keep the project's
-rule "queries sit at the end of the keys" for every sequence at once, so the backend needs no new mask
-logic. It copies each context once per layer: simple and exact, not the fastest (vLLM's kernel reads
-the blocks in place).
+The step's inputs are four tensors with flash-attn's varlen names, built once per step on the host and
+copied to the device in ONE copy (pinned memory, non_blocking on CUDA):
 
-Padding every sequence's queries to the longest query would make one 500-token prefill chunk pad 63
-decode queries to 500 rows each. So the sequences are split in two groups, each padded on its own:
-decode steps (1 query each: (S, H, 1, D)) and the rest (prefill chunks).
+    slot_mapping (N,)       where each new token's K/V is written
+    block_tables (S, Bmax)  each sequence's block ids (rows padded with block 0)
+    context_lens (S,)       each sequence's keys after this step (cached + new)
+    query_start_loc (S+1,)  sequence s owns packed tokens query_start_loc[s] .. query_start_loc[s+1]-1
+
+Two ways to attend, one per kind of row, both reading only those fields:
+  decode rows (1 query): `paged_decode_attention` reads K/V block by block through the block table
+      (no gathered copy). Compiled (torch.compile), inductor turns the `[block_tables]` indexing into
+      loads inside the score and weighted-sum reductions, so no (S, L, Hkv, D) tensor is ever written:
+      the FlashAttention idea of stage 4 applied to pages. `triton_paged.py` is the same on a GPU.
+  prefill rows (a chunk of queries): gathered into left-padded keys and right-aligned queries, and run
+      through the ordinary contiguous backend with a key padding mask (queries sit at the end of the
+      keys, so no new mask logic). This copy pays where many queries share each key.
 
     meta = PagedAttentionMetadata.build(block_tables, context_lens, query_lens, block_size, device)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)     # the new tokens' K/V into their slots
     out = paged_attention(q, k_cache, v_cache, meta)         # (N, H, D)
-
-Two layouts of the metadata, one per kind of kernel: GATHERED (the padded groups above, for
-`paged_attention`) and BLOCK_TABLE (the block tables and each token's sequence and position, for the
-Triton kernel in `triton_paged.py`, which walks the tables itself). `build` makes both unless told
-`layouts=(...)`; the engine's runner picks the one its backend reads, once, and builds only that.
 
 Shapes: q (N, H, D) packed; k, v (N, Hkv, D); k_cache, v_cache (num_slots, Hkv, D) for one layer.
 """
@@ -36,120 +37,81 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .naive import naive_attention
 
-__all__ = ["BLOCK_TABLE", "GATHERED", "LAYOUTS", "PagedAttentionMetadata", "paged_attention", "write_kv"]
-
-
-@dataclass
-class PaddedGroup:
-    """Some of the step's sequences, laid out for one contiguous attention call.
-
-    key_slots (S, Lmax): the slot of every key each sequence sees, left-padded (padding reads slot 0).
-    key_padding_mask (S, Lmax): True = a real key.
-    token_index (n,): which packed tokens (rows of q) belong to this group, in order.
-    padded_index (n,): where each of them sits in the flattened right-aligned (S * Qmax) query layout.
-    """
-
-    key_slots: torch.Tensor
-    key_padding_mask: torch.Tensor
-    token_index: torch.Tensor
-    padded_index: torch.Tensor
-    num_seqs: int
-    max_query_len: int
-
-
-GATHERED, BLOCK_TABLE = "gathered", "block_table"
-LAYOUTS = (GATHERED, BLOCK_TABLE)
+__all__ = ["PagedAttentionMetadata", "paged_attention", "paged_decode_attention", "write_kv"]
 
 
 @dataclass
 class PagedAttentionMetadata:
     """Where every token of one engine step lives, built once per step (every layer reuses it).
 
-    slot_mapping (N,): the slot each new token's K/V is written to (vLLM's name). Always built.
-    groups: the decode sequences and the prefill sequences, each padded on its own (GATHERED layout;
-    empty when not built).
-    block_tables (S, Bmax) int32, token_seq (N,), token_pos (N,): what the Triton kernel reads instead
-    (each token's sequence and position; it walks the block table itself). None unless the BLOCK_TABLE
-    layout was built.
-    """
+    The four tensors are on the device; `query_lens` and `context_lens_host` are the host's copies (plain
+    ints the host decided while scheduling), so nothing here is ever read back from the device."""
 
-    slot_mapping: torch.Tensor
-    groups: list[PaddedGroup]
-    block_tables: torch.Tensor | None
-    token_seq: torch.Tensor | None
-    token_pos: torch.Tensor | None
+    slot_mapping: torch.Tensor  # (N,) int64
+    block_tables: torch.Tensor  # (S, Bmax) int64
+    context_lens: torch.Tensor  # (S,) int64
+    query_start_loc: torch.Tensor  # (S+1,) int64
     block_size: int
-    layouts: tuple[str, ...] = LAYOUTS
+    query_lens: tuple[int, ...]
+    context_lens_host: tuple[int, ...]
+    _cache: dict = field(default_factory=dict, repr=False)  # index tensors derived on first use
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
 
     @classmethod
-    def build(cls, block_tables: Sequence[Sequence[int]], context_lens: Sequence[int],
-              query_lens: Sequence[int], block_size: int, device: torch.device | str = "cpu",
-              layouts: Sequence[str] = LAYOUTS):
-        """block_tables[s]: block ids of sequence s; context_lens[s]: its keys after this step (cached +
-        new); query_lens[s]: its new tokens, the last query_lens[s] of its keys. `layouts`: which of
-        GATHERED and BLOCK_TABLE to build (the slot mapping comes with either). Plain Python lists in,
-        a few index tensors out. They are built on the CPU (the host knows all of this from scheduling)
-        and copied to `device` once: no value is ever read back from the device."""
-        lens = zip(block_tables, context_lens, query_lens, strict=True)
-        assert all(0 < n_new <= n_keys <= len(table) * block_size for table, n_keys, n_new in lens)
-        if isinstance(layouts, str) or not layouts or not set(layouts) <= set(LAYOUTS):
-            raise ValueError(f"layouts={layouts!r} must be a non-empty sequence of {LAYOUTS}")
-        max_blocks = max(len(table) for table in block_tables)
-        tables = torch.tensor([list(t) + [0] * (max_blocks - len(t)) for t in block_tables])  # (S, Bmax)
-        token_seq = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # (N,)
-        token_pos = torch.cat([torch.arange(k - n, k) for k, n in zip(context_lens, query_lens, strict=True)])
-        slot_mapping = tables[token_seq, token_pos // block_size] * block_size + token_pos % block_size  # (N,)
-        meta = cls(slot_mapping=slot_mapping.to(device), groups=[], block_tables=None, token_seq=None,
-                   token_pos=None, block_size=block_size, layouts=tuple(layouts))
-        if GATHERED in layouts:
-            meta.groups = _padded_groups(tables, context_lens, query_lens, block_size, device)
-        if BLOCK_TABLE in layouts:
-            meta.block_tables = tables.to(device=device, dtype=torch.int32)
-            meta.token_seq, meta.token_pos = token_seq.to(device), token_pos.to(device)
-        return meta
+    def build(cls, block_tables, context_lens: Sequence[int], query_lens: Sequence[int], block_size: int,
+              device: torch.device | str = "cpu"):
+        """block_tables: a list of block-id lists, or an (S, >= Bmax) integer array whose rows are already
+        padded (the engine's persistent BlockTable); context_lens[s]: sequence s's keys after this step;
+        query_lens[s]: its new tokens, the last query_lens[s] of its keys. Computed in numpy on the host,
+        packed into one buffer and copied to `device` once (pinned + non_blocking on CUDA)."""
+        ctx = np.asarray(context_lens, dtype=np.int64)
+        new = np.asarray(query_lens, dtype=np.int64)
+        if isinstance(block_tables, np.ndarray):
+            tables = block_tables[:, :max(1, -(-int(ctx.max()) // block_size))].astype(np.int64, copy=False)
+        else:
+            width = max(len(t) for t in block_tables)
+            tables = np.zeros((len(block_tables), width), dtype=np.int64)
+            for row, table in zip(tables, block_tables, strict=True):
+                row[:len(table)] = table
+        assert len(ctx) == len(new) == len(tables) and (new > 0).all() and (new <= ctx).all()
+        assert (ctx <= tables.shape[1] * block_size).all()
+        query_start_loc = np.concatenate([[0], np.cumsum(new)])  # (S+1,)
+        token_seq = np.repeat(np.arange(len(new)), new)  # (N,) each token's sequence
+        token_pos = np.arange(len(token_seq)) - query_start_loc[token_seq] + (ctx - new)[token_seq]  # (N,)
+        slot_mapping = tables[token_seq, token_pos // block_size] * block_size + token_pos % block_size
+        parts = (slot_mapping, tables.reshape(-1), ctx, query_start_loc)
+        packed = torch.from_numpy(np.concatenate(parts))
+        device = torch.device(device)
+        if device.type == "cuda":  # an async copy needs page-locked memory; from pageable memory it would sync
+            packed = packed.pin_memory()
+        packed = packed.to(device, non_blocking=True)
+        slots, flat_tables, ctx_t, qsl = packed.split([p.size for p in parts])
+        return cls(slots, flat_tables.view(tables.shape), ctx_t, qsl, block_size,
+                   tuple(new.tolist()), tuple(ctx.tolist()))
 
+    def rows(self, decode: bool) -> list[int]:
+        """The sequences with one query (decode rows) or with several (prefill rows), in order."""
+        return [s for s, n in enumerate(self.query_lens) if (n == 1) == decode]
 
-def _padded_groups(tables: torch.Tensor, context_lens, query_lens, block_size: int, device
-                   ) -> list[PaddedGroup]:
-    """The GATHERED layout: decode steps in one group, prefill chunks in another, each padded on its own."""
-    first_token = [0]
-    for n in query_lens:
-        first_token.append(first_token[-1] + n)
-    groups = []
-    for in_group in (lambda n: n == 1, lambda n: n > 1):  # decode steps, then prefill chunks
-        members = [s for s, n in enumerate(query_lens) if in_group(n)]
-        if not members:
-            continue
-        group = _pad_group(tables[members], [context_lens[s] for s in members],
-                           [query_lens[s] for s in members], [first_token[s] for s in members], block_size)
-        groups.append(PaddedGroup(*(t.to(device) for t in group), num_seqs=len(members),
-                                  max_query_len=max(query_lens[s] for s in members)))
-    return groups
-
-
-def _pad_group(tables: torch.Tensor, context_lens, query_lens, first_tokens, block_size: int):
-    """The left-padded key slots and right-aligned query places of some sequences (CPU tensors);
-    tables (S, Bmax) are their block tables, padded with block 0."""
-    max_context, max_query = max(context_lens), max(query_lens)
-    as_long = dict(dtype=torch.long)
-    n_keys = torch.tensor(context_lens, **as_long)[:, None]  # (S, 1)
-    n_new = torch.tensor(query_lens, **as_long)[:, None]  # (S, 1)
-    columns = torch.arange(max_context, **as_long)  # (Lmax,)
-    positions = columns - (max_context - n_keys)  # (S, Lmax): left padding gets negative positions
-    keep = positions >= 0
-    positions = positions.clamp(min=0)
-    key_slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
-    key_slots = key_slots.masked_fill(~keep, 0)  # (S, Lmax)
-    query_rows = torch.arange(max_query, **as_long) >= max_query - n_new  # (S, Qmax), right-aligned
-    token_index = torch.cat([torch.arange(f, f + n) for f, n in zip(first_tokens, query_lens, strict=True)])
-    padded_index = query_rows.flatten().nonzero().squeeze(1)  # (n,) sequence by sequence, ascending
-    return key_slots, keep, token_index, padded_index
+    def index(self, name: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """An index tensor derived from the fields, made on first use in this step, reused by every layer."""
+        if name not in self._cache:
+            self._cache[name] = make()
+        return self._cache[name]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -160,9 +122,70 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.index_copy_(0, slot_mapping, v)
 
 
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                           scale: float) -> torch.Tensor:
+    """One query per sequence, q (S, H, D), over its keys read through its block table (S, B).
+
+    Written for every (sequence, block, offset) at once; run eagerly it does gather the blocks, compiled
+    the gather becomes the loads of the two reductions (scores over D, the weighted sum over the keys).
+    Keys past a sequence's context_len (the tail of its last block, padding blocks) get -inf."""
+    S, H, D = q.shape
+    Hkv = k_cache.shape[1]
+    G, B = H // Hkv, block_tables.shape[1]
+    k = k_cache.view(-1, block_size, Hkv, D)[block_tables]  # (S, B, block_size, Hkv, D)
+    v = v_cache.view(-1, block_size, Hkv, D)[block_tables]
+    q = q.view(S, 1, 1, Hkv, G, D)  # GQA: query head h reads kv head h // G
+    scores = (q * k.unsqueeze(4)).sum(-1) * scale  # (S, B, block_size, Hkv, G)
+    key_pos = torch.arange(B * block_size, device=q.device).view(1, B, block_size, 1, 1)
+    scores = scores.masked_fill(key_pos >= context_lens.view(S, 1, 1, 1, 1), float("-inf"))
+    weights = scores.view(S, B * block_size, Hkv, G).softmax(dim=1)  # (S, L, Hkv, G)
+    out = (weights.unsqueeze(-1) * v.view(S, B * block_size, Hkv, 1, D)).sum(1)  # (S, Hkv, G, D)
+    return out.view(S, H, D)
+
+
+_compiled_decode = None
+
+
+def compiled_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size: int, scale: float):
+    """paged_decode_attention through torch.compile. The batch size and the table width change every step:
+    they are marked dynamic, so one compiled kernel serves them all (heads, head size and block size stay
+    constants the compiler can unroll and vectorise)."""
+    global _compiled_decode
+    if _compiled_decode is None:
+        _compiled_decode = torch.compile(paged_decode_attention, dynamic=False)
+    for t, dims in ((q, (0,)), (block_tables, (0, 1)), (context_lens, (0,))):
+        for d in dims:
+            torch._dynamo.maybe_mark_dynamic(t, d)
+    return _compiled_decode(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
+
+
 def _naive(q, k, v, key_padding_mask):
     return naive_attention(q, k, v, causal=True, key_padding_mask=key_padding_mask, dropout_p=0.0,
                            scale=1.0 / math.sqrt(q.shape[-1]))
+
+
+def _prefill_layout(meta: PagedAttentionMetadata, seqs: list[int]):
+    """Left-padded key slots (S', Lmax) and their mask, derived on the device from the fields; and where
+    each prefill token sits among the right-aligned (S' * Qmax) padded queries, from the host's lengths."""
+    device = meta.slot_mapping.device
+    new = np.array([meta.query_lens[s] for s in seqs])
+    max_context, max_query = max(meta.context_lens_host[s] for s in seqs), int(new.max())
+    rows = torch.tensor(seqs, device=device)
+    n_keys = meta.context_lens[rows][:, None]  # (S', 1)
+    positions = torch.arange(max_context, device=device) - (max_context - n_keys)  # (S', Lmax), pads < 0
+    keep = positions >= 0
+    positions = positions.clamp(min=0)
+    tables = meta.block_tables[rows]
+    key_slots = tables.gather(1, positions // meta.block_size) * meta.block_size + positions % meta.block_size
+    key_slots = key_slots.masked_fill(~keep, 0)
+    starts = np.concatenate([[0], np.cumsum(meta.query_lens)])[seqs]  # first packed token of each
+    token_index = np.concatenate([np.arange(f, f + n) for f, n in zip(starts, new, strict=True)])
+    padded_index = np.concatenate([np.arange((i + 1) * max_query - n, (i + 1) * max_query)
+                                   for i, n in enumerate(new)])
+    both = torch.from_numpy(np.concatenate([token_index, padded_index])).to(device, non_blocking=True)
+    token_index, padded_index = both.split(len(token_index))
+    return key_slots, keep, token_index, padded_index, max_query
 
 
 def paged_attention(
@@ -171,25 +194,36 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: PagedAttentionMetadata,
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Causal attention of the packed queries q (N, H, D) over each sequence's keys in the pool.
 
-    `attend(q, k, v, key_padding_mask)` is a contiguous attention (causal, queries at the end of the keys),
-    by default the naive reference; the model passes its own `Attend`, so the configured backend runs.
-    Returns (N, H, D) in the order of q."""
-    if GATHERED not in meta.layouts:
-        raise ValueError(f"meta was built with layouts={meta.layouts}; paged_attention reads {GATHERED!r}: "
-                         "build the metadata with it")
+    Decode rows: paged_decode_attention (`compiled=True`: through torch.compile). Prefill rows: gathered
+    and padded, then `attend(q, k, v, key_padding_mask)`, a contiguous causal attention with queries at the
+    end of the keys (default: the naive reference; the model passes its own `Attend`, so the configured
+    backend runs). Returns (N, H, D) in the order of q."""
     attend = attend or _naive
     N, H, D = q.shape
+    decode = compiled_decode_attention if compiled else paged_decode_attention
+    scale = 1.0 / math.sqrt(D)
+    if meta.is_decode_only:  # the common step: every row is one token, already in sequence order
+        return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size, scale)
     out = q.new_empty(N, H, D)
-    for group in meta.groups:
-        S, Qmax = group.num_seqs, group.max_query_len
-        k = k_cache[group.key_slots].transpose(1, 2)  # (S, Lmax, Hkv, D) -> (S, Hkv, Lmax, D)
-        v = v_cache[group.key_slots].transpose(1, 2)  # (S, Hkv, Lmax, D)
-        padded_q = q.new_zeros(S * Qmax, H, D)
-        padded_q[group.padded_index] = q[group.token_index]
-        padded_q = padded_q.view(S, Qmax, H, D).transpose(1, 2)  # (S, H, Qmax, D), queries right-aligned
-        group_out = attend(padded_q, k, v, group.key_padding_mask)  # (S, H, Qmax, D)
-        out[group.token_index] = group_out.transpose(1, 2).reshape(S * Qmax, H, D)[group.padded_index]
+    decode_seqs = meta.rows(decode=True)
+    if decode_seqs:
+        rows = meta.index("decode_rows", lambda: torch.tensor(decode_seqs, device=q.device))
+        tokens = meta.index("decode_tokens", lambda: meta.query_start_loc[rows])
+        out[tokens] = decode(q[tokens], k_cache, v_cache, meta.block_tables[rows], meta.context_lens[rows],
+                             meta.block_size, scale)
+    key_slots, keep, token_index, padded_index, Qmax = meta.index(
+        "prefill", lambda: _prefill_layout(meta, meta.rows(decode=False)))
+    S = key_slots.shape[0]
+    flat = key_slots.flatten()
+    k = k_cache.index_select(0, flat).view(S, -1, *k_cache.shape[1:]).transpose(1, 2)  # (S', Hkv, Lmax, D)
+    v = v_cache.index_select(0, flat).view(S, -1, *v_cache.shape[1:]).transpose(1, 2)
+    padded_q = q.new_zeros(S * Qmax, H, D)
+    padded_q[padded_index] = q[token_index]
+    padded_q = padded_q.view(S, Qmax, H, D).transpose(1, 2)  # (S', H, Qmax, D), queries right-aligned
+    group_out = attend(padded_q, k, v, keep)  # (S', H, Qmax, D)
+    out[token_index] = group_out.transpose(1, 2).reshape(S * Qmax, H, D)[padded_index]
     return out

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TiledAttention", "key_block_ranges", "tiled_attention", "tiled_attention_backward",
+from .._checks import positive_int
+
+__all__ = ["TiledAttention", "check_tiled", "key_block_ranges", "tiled_attention", "tiled_attention_backward",
            "tiled_attention_forward"]
 
 
@@ -35,9 +37,15 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_block(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive integer (rows or keys per block)")
+def check_tiled(dropout_p: float, block_q: int = 128, block_k: int = 128) -> None:
+    """What the tiled backend can run, checked once where it is chosen (attention(), the model's door):
+    no attention dropout, positive block sizes. `tiled_attention` trusts its arguments."""
+    if dropout_p > 0.0:
+        raise ValueError(
+            f"dropout_p={dropout_p}: the tiled backend has no attention dropout; use backend='naive' or 'sdpa'"
+        )
+    positive_int("block_q", block_q)
+    positive_int("block_k", block_k)
 
 
 def key_block_ranges(q_start: int, q_end: int, Tq: int, Tk: int, *, causal: bool, block_k: int):
@@ -166,11 +174,6 @@ class TiledAttention(torch.autograd.Function):
 
 
 def tiled_attention(q, k, v, *, causal, key_padding_mask, dropout_p, scale, block_q=128, block_k=128):
-    """The `tiled` backend: same call as every backend, plus the block sizes. Returns (B, H, Tq, D)."""
-    if dropout_p > 0.0:
-        raise ValueError(
-            f"dropout_p={dropout_p}: the tiled backend has no attention dropout; use backend='naive' or 'sdpa'"
-        )
-    _check_block("block_q", block_q)
-    _check_block("block_k", block_k)
+    """The `tiled` backend: same call as every backend, plus the block sizes. Returns (B, H, Tq, D).
+    Trusts its arguments (`check_tiled` ran once where the backend was chosen: dropout_p is 0)."""
     return TiledAttention.apply(q, k, v, key_padding_mask, causal, float(scale), block_q, block_k)

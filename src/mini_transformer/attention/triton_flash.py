@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import choice, power_of_two
+
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the module still imports; triton_attention explains what is missing
+except ImportError:  # the module still imports; check_triton explains what is missing
     triton = tl = None
 
-__all__ = ["TritonAttention", "triton_attention"]
+__all__ = ["TritonAttention", "check_triton", "triton_attention"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PRECISIONS = ("ieee", "tf32", "tf32x3")
@@ -219,27 +221,33 @@ class TritonAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def triton_attention(q, k, v, *, causal, key_padding_mask, dropout_p, scale, input_precision="ieee",
-                     block_m=None, block_n=None):
-    """The `triton` backend. input_precision applies to float32 inputs: "ieee" (exact, the default),
-    "tf32" (tensor cores, about 1e-3 relative error) or "tf32x3". block_m/block_n override the tiles."""
+def check_triton(dtype: torch.dtype, head_dim: int, device: torch.device, *, dropout_p: float = 0.0,
+                 input_precision: str = "ieee", block_m: int | None = None, block_n: int | None = None) -> None:
+    """What the triton backend can run, checked once where it is chosen (attention(), the model's and the
+    engine's doors): the kernels themselves trust their arguments."""
     if triton is None:
         raise ImportError("backend='triton' needs the `triton` package (pip install triton); "
                           "or use backend='tiled' (same algorithm in PyTorch) or 'sdpa'")
     if dropout_p > 0.0:
         raise ValueError(f"dropout_p={dropout_p}: the triton backend has no attention dropout; "
                          "use backend='naive' or 'sdpa'")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"q has dtype {q.dtype}; the triton backend supports float16, bfloat16 and float32")
-    if not 16 <= q.shape[-1] <= 128:
-        raise ValueError(f"head dim D={q.shape[-1]} is not supported by the triton backend; expected 16 <= D <= 128")
-    if input_precision not in PRECISIONS:
-        raise ValueError(f"input_precision={input_precision!r} is not known; expected one of {', '.join(PRECISIONS)}")
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q has dtype {dtype}; the triton backend supports float16, bfloat16 and float32")
+    if not 16 <= head_dim <= 128:
+        raise ValueError(f"head dim D={head_dim} is not supported by the triton backend; expected 16 <= D <= 128")
+    choice("input_precision", input_precision, PRECISIONS)
     for name, value in (("block_m", block_m), ("block_n", block_n)):
-        if value is not None and (not isinstance(value, int) or value < 16 or value & (value - 1)):
-            raise ValueError(f"{name}={value!r} must be None or a power of two >= 16")
-    if q.device.type != "cuda" and not _kernels_are_interpreted():
-        raise ValueError(f"q is on device {q.device.type!r}: the triton backend runs on CUDA tensors, or on CPU "
-                         "only when TRITON_INTERPRET=1 was set before triton was first imported")
+        if value is not None:
+            power_of_two(name, value, low=16)
+    if torch.device(device).type != "cuda" and not _kernels_are_interpreted():
+        raise ValueError(f"q is on device {torch.device(device).type!r}: the triton backend runs on CUDA tensors, "
+                         "or on CPU only when TRITON_INTERPRET=1 was set before triton was first imported")
+
+
+def triton_attention(q, k, v, *, causal, key_padding_mask, dropout_p, scale, input_precision="ieee",
+                     block_m=None, block_n=None):
+    """The `triton` backend. input_precision applies to float32 inputs: "ieee" (exact, the default),
+    "tf32" (tensor cores, about 1e-3 relative error) or "tf32x3". block_m/block_n override the tiles.
+    Trusts its arguments: `check_triton` said once that they can run (dropout_p is 0)."""
     keep = None if key_padding_mask is None else key_padding_mask.to(torch.int8).contiguous()
     return TritonAttention.apply(q, k, v, keep, causal, float(scale), input_precision, block_m, block_n)

@@ -1,6 +1,8 @@
 """Paged attention as one Triton kernel that reads the block table itself (no gathered copy of K/V).
 
-One program per (new token, query head). It knows its sequence and its position p, walks the sequence's
+One program per (sequence, query of that sequence, query head), reading the step's varlen fields
+(block_tables, context_lens, query_start_loc: see paged.py). Query i of sequence s is packed token
+query_start_loc[s] + i and sits at position p = context_len - query_len + i. The program walks the
 block table for the blocks that cover keys 0..p, loads one block of keys and values per iteration
 straight from the pool (slot = block_id * block_size + offset) and keeps an online softmax (running
 max m, sum l, accumulator) in registers — the FlashAttention recurrence of `triton_flash.py`, one query
@@ -17,20 +19,25 @@ import math
 
 import torch
 
-# triton (or None without it), the jit that degrades to a no-op, the masked-score constant and the
-# interpreter check are triton_flash's: one import of triton for both kernels
-from .triton_flash import MASKED, _jit, _kernels_are_interpreted, tl, triton
+# triton (or None without it), the jit that degrades to a no-op and the masked-score constant are
+# triton_flash's: one import of triton for both kernels
+from .paged import PagedAttentionMetadata
+from .triton_flash import MASKED, _jit, tl, triton
 
 __all__ = ["triton_paged_attention"]
 
 
 @_jit
-def _paged_kernel(Q, K, V, O, BLOCK_TABLES, TOKEN_SEQ, TOKEN_POS,
+def _paged_kernel(Q, K, V, O, BLOCK_TABLES, CONTEXT_LENS, QUERY_START_LOC,
                   stride_qt, stride_qh, stride_ks, stride_kh, stride_bt, group, head_dim, scale,
                   BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
-    token, h = tl.program_id(0), tl.program_id(1)
-    seq = tl.load(TOKEN_SEQ + token)
-    pos = tl.load(TOKEN_POS + token)  # this query sees keys 0..pos of its own sequence
+    seq, qi, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(QUERY_START_LOC + seq)
+    query_len = tl.load(QUERY_START_LOC + seq + 1) - start
+    if qi >= query_len:  # the grid is sized for the longest query of the step
+        return
+    token = start + qi
+    pos = tl.load(CONTEXT_LENS + seq) - query_len + qi  # this query sees keys 0..pos of its own sequence
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
     q = tl.load(Q + token * stride_qt + h * stride_qh + dims, mask=dim_ok, other=0.0).to(tl.float32)
@@ -58,25 +65,21 @@ def _paged_kernel(Q, K, V, O, BLOCK_TABLES, TOKEN_SEQ, TOKEN_POS,
 
 
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, token_seq: torch.Tensor, token_pos: torch.Tensor,
-                           block_size: int, scale: float | None = None) -> torch.Tensor:
+                           meta: PagedAttentionMetadata, scale: float | None = None) -> torch.Tensor:
     """q (N, H, D) packed new tokens; k_cache, v_cache (num_slots, Hkv, D) one layer's pool, the new
-    tokens' K/V already written; block_tables (S, Bmax) int32; token_seq (N,) each token's sequence row;
-    token_pos (N,) its position. Returns (N, H, D). block_size must be a power of two."""
-    if triton is None:
-        raise ImportError("triton_paged_attention needs the `triton` package; use paged_attention instead")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size={block_size} must be a power of two for the Triton kernel")
-    if q.device.type != "cuda" and not _kernels_are_interpreted():
-        raise ValueError(f"q is on device {q.device.type!r}: the Triton kernel runs on CUDA, or on CPU only "
-                         "when TRITON_INTERPRET=1 was set before triton was first imported")
+    tokens' K/V already written; meta: the step's fields (paged.py). Returns (N, H, D). The block size
+    must be a power of two. Runs in every layer of every step, so it trusts its arguments: LLMEngine checked
+    the block size, triton and the device once (`triton_flash.check_triton`)."""
+    block_size = meta.block_size
     q = q.contiguous()
     N, H, D = q.shape
     assert k_cache.stride(2) == 1 and k_cache.stride() == v_cache.stride()
     out = torch.empty_like(q)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    _paged_kernel[(N, H)](
-        q, k_cache, v_cache, out, block_tables, token_seq, token_pos,
+    block_tables = meta.block_tables
+    S = block_tables.shape[0]
+    _paged_kernel[(S, meta.max_query_len, H)](
+        q, k_cache, v_cache, out, block_tables, meta.context_lens, meta.query_start_loc,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         H // k_cache.shape[1], D, scale, BLOCK_SIZE=block_size, BLOCK_D=triton.next_power_of_2(D),
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +24,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .._checks import path_like
 from ..config import TransformerConfig
 from .hf import config_from_hf, convert_hf_state, read_hf_weights
 
@@ -105,12 +106,24 @@ def previous_dir(path: Path) -> Path:
     return path.with_name(f".{path.name}.old")
 
 
-def resolve_checkpoint_dir(path: str | Path) -> Path:
-    """`path`, or the previous checkpoint under its `.NAME.old` name when a kill fell between the two
-    renames of a save (then `path` itself does not exist for a moment)."""
+def resolve_checkpoint_dir(path: str | Path, run_checkpoints: tuple[str, ...] = ("best",), *,
+                           say: bool = True) -> Path:
+    """The checkpoint directory that `path` names:
+    - a run directory (`train`'s --out: no config.json of its own) means its first checkpoint among
+      `run_checkpoints` that exists (`best` to load a model, `last` then `best` to resume); unless `say` is
+      False, a line on stderr says which one, so a user who typed the run directory knows what was loaded;
+    - a checkpoint missing for a moment because a kill fell between the two renames of a save means the
+      previous one, still under its `.NAME.old` name."""
     path = Path(path)
     if not path.exists() and previous_dir(path).is_dir():
         return previous_dir(path)
+    if path.is_dir() and not (path / CONFIG_NAME).exists() and not (path / MANIFEST_NAME).exists():
+        for name in run_checkpoints:
+            checkpoint = resolve_checkpoint_dir(path / name)
+            if checkpoint.is_dir():
+                if say:
+                    print(f"{path} is a run directory: loading its {name} checkpoint {checkpoint}", file=sys.stderr)
+                return checkpoint
     return path
 
 
@@ -200,6 +213,16 @@ def read_quantization(path: Path) -> dict | None:
     return settings
 
 
+def read_config(path: str | Path, **overrides) -> TransformerConfig:
+    """The config a checkpoint directory (ours or Hugging Face's) loads with, without reading weights:
+    the same rules as read_checkpoint (a HF directory attends with "sdpa" unless overridden)."""
+    raw = read_json(resolve_checkpoint_dir(path) / CONFIG_NAME)
+    if raw.get("model_type") == MODEL_TYPE:
+        raw.pop("model_type", None)
+        return TransformerConfig.from_dict({**raw, **overrides})
+    return config_from_hf(raw, **{"attn_backend": "sdpa", **overrides})
+
+
 def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig, dict | None], torch.nn.Module],
                     **overrides) -> torch.nn.Module:
     """Build a model with `make_model(config, quantization)` and fill it from a directory written by
@@ -208,16 +231,18 @@ def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig, d
     `quantization` is None for a float checkpoint, else the settings of quantization.json: the factory
     swaps in the quantized linears, so the saved tensors fit them (this module never builds a model).
     Ours must pass its manifest; a HF directory (no manifest) may name only files inside itself.
-    `overrides` change config fields (e.g. attn_backend="sdpa")."""
-    if not isinstance(path, str | os.PathLike):
-        raise TypeError(f"path={path!r} must be a directory path (str or os.PathLike)")
+    `overrides` change config fields (e.g. attn_backend="naive"). Ours keep the attention backend they
+    were saved with; a HF directory attends with the fast exact "sdpa" unless told otherwise (as
+    transformers does), not our config's default "naive", the float64-style teaching reference."""
+    path_like("path", path, "a directory path")
     path = resolve_checkpoint_dir(path)
     has_manifest = (path / MANIFEST_NAME).exists()
     if has_manifest:
         verify_checkpoint(path)  # first: a damaged file is named before anything reads it
     config_file = path / CONFIG_NAME
     if not config_file.is_file():
-        raise ValueError(f"path={str(path)!r} has no {CONFIG_NAME}; expected a checkpoint directory")
+        raise ValueError(f"path={str(path)!r} has no {CONFIG_NAME}; expected a checkpoint directory "
+                         f"(or a run directory holding {CHECKPOINT_NAMES[0]}/)")
     raw = read_json(config_file)
     ours = raw.get("model_type") == MODEL_TYPE
     if ours and not has_manifest:
@@ -233,7 +258,7 @@ def read_checkpoint(path: str | Path, make_model: Callable[[TransformerConfig, d
         except SafetensorError as err:
             raise CheckpointError(f"{weights} cannot be read ({err})") from None
     else:  # a Hugging Face directory: an unknown architecture raises ValueError here
-        model = make_model(config_from_hf(raw, **overrides), None)
+        model = make_model(config_from_hf(raw, **{"attn_backend": "sdpa", **overrides}), None)
         state = convert_hf_state(read_hf_weights(path), raw, model.config, model.state_dict())
     check_finite(state, path)
     load_state_into(model, state)

@@ -26,12 +26,20 @@ def _add_info(sub) -> None:
     p = sub.add_parser("info", help="parameter count per component, memory of weights and KV cache")
     p.add_argument("--preset", default="gpt2-small", choices=sorted(PRESETS))
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="describe this checkpoint (ours or a Hugging Face directory) as it would load, "
+                        "attention backend included, instead of a preset")
     p.set_defaults(func=_run_info)
 
 
 def _run_info(args) -> None:
     from .info import describe
 
+    if args.checkpoint:
+        from ..checkpoint import read_config
+
+        print(describe(read_config(args.checkpoint, **parse_overrides(args.set))))
+        return
     print(describe(config_from_args(args)))
 
 

@@ -69,13 +69,13 @@ def _run_sample(args) -> None:
     from ..inference.generate import generate_long
     from ..inference.sampling import SamplingParams
     from ..model.transformer import TransformerLM
-    from ..tokenizer import load_tokenizer
+    from ..tokenizer import check_vocab_size, load_tokenizer
     from ..training.runtime import resolve_device
 
     prompts = _read_prompts(args)
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens < 1:  # the one flag whose name is not its SamplingParams field's (max_tokens)
         raise ValueError(f"--max-new-tokens: max_new_tokens={args.max_new_tokens} must be a positive integer")
-    params = SamplingParams(
+    params = SamplingParams(  # the door of every other sampling flag
         max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
         structured=_structured_output(args),
@@ -84,6 +84,7 @@ def _run_sample(args) -> None:
     checkpoint = resolve_checkpoint_dir(args.checkpoint)  # `best` is found even mid-save
     model = _load_sample_model(args, checkpoint, device)  # verifies the manifest first
     tokenizer = load_tokenizer(checkpoint)
+    check_vocab_size(tokenizer, model.config.vocab_size, checkpoint)
     out = sys.stdout
     if args.tensor_parallel:  # every rank runs the same loop on its shard; only rank 0 prints
         if len(prompts) > 1:
@@ -106,6 +107,9 @@ def _run_sample(args) -> None:
     if not prompt_ids:
         raise ValueError("--prompt is empty; give at least one character of text to continue")
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, T)
+    if args.compile:  # inductor imports cpp_extension at the first compiled step, which on a machine without
+        # CUDA logs "No CUDA runtime is found" to stderr; imported now, that line comes before the text, not inside it
+        import torch.utils.cpp_extension  # noqa: F401
     stream = _TextStream(tokenizer, out, prompts[0])
     # past max_seq_len generate_long slides the context window (re-prefilling its second half)
     draft = "prompt_lookup" if args.prompt_lookup else None

@@ -25,10 +25,10 @@ def _add_serve(sub) -> None:
 
 
 def _run_serve(args) -> None:
+    from .._checks import integer
     from ..server import build_context, serve
 
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port {args.port} must be in [0, 65535]")
+    integer("--port", args.port, low=0, high=65535)
     ctx = build_context(args.checkpoint, model_name=args.model_name, api_key=args.api_key,
                         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import integer, positive_int
 from ..attention.mask import build_mask
 from ..attention.naive import attention_scores, attention_weights
 from ..config import TransformerConfig
@@ -109,10 +110,9 @@ class ShapeRecorder:
 
 def trace(cfg: TransformerConfig, batch_size: int = 2, seq_len: int = 8, seed: int = 0) -> str:
     """Run one forward pass on random ids and return the data-flow diagram with every shape."""
-    if batch_size <= 0 or seq_len <= 0:
-        raise ValueError(f"batch_size={batch_size} and seq_len={seq_len} must be positive")
-    if seq_len > cfg.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} exceeds the config's max_seq_len={cfg.max_seq_len}")
+    positive_int("batch_size", batch_size)
+    integer("seq_len", seq_len, low=1, high=cfg.max_seq_len,
+            expected=f"an integer in [1, max_seq_len={cfg.max_seq_len}] (the config's context)")
     torch.manual_seed(seed)
     model = TransformerLM(cfg).eval()
     idx = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))

@@ -11,6 +11,9 @@ from ..config import PRESETS, TransformerConfig
 from .options import parse_overrides
 
 DEFAULT_TRAIN_PRESET = "shakespeare-char"
+# Caps the steps of every `train`, and changes nothing else: tests/test_readme.py runs the README's commands
+# verbatim with MINI_TRANSFORMER_MAX_STEPS=20, so they take seconds instead of minutes.
+MAX_STEPS_ENV = "MINI_TRANSFORMER_MAX_STEPS"
 _TRAIN_FLAGS = {  # flag -> (TrainConfig field, type, help)
     "--tokenizer": ("tokenizer", str, "char (default) or bpe"),
     "--vocab-size": ("bpe_vocab_size", int, "BPE vocabulary size (with --tokenizer bpe)"),
@@ -76,13 +79,23 @@ def train_configs_from_args(args):
         checkpoint = find_checkpoint(args.resume)
         saved = load_train_state(checkpoint)["train_config"]
         given.setdefault("out_dir", str(checkpoint.parent))  # keep writing next to the checkpoint resumed from
-        return TrainConfig.from_dict({**saved, **given}), model_set
+        return _cap_steps(TrainConfig.from_dict({**saved, **given})), model_set
     preset = args.preset or DEFAULT_TRAIN_PRESET
     given.setdefault("out_dir", str(Path("out") / preset))
     if "vocab_size" in model_set:
         raise ValueError("--set vocab_size is not allowed for train: the vocabulary comes from the tokenizer "
                          "(use --tokenizer bpe --vocab-size N)")
-    return TrainConfig.from_dict(given), TransformerConfig.from_preset(preset, **model_set)
+    return _cap_steps(TrainConfig.from_dict(given)), TransformerConfig.from_preset(preset, **model_set)
+
+
+def _cap_steps(cfg):
+    """cfg with max_steps at most $MINI_TRANSFORMER_MAX_STEPS (when set)."""
+    value = os.environ.get(MAX_STEPS_ENV)
+    if value is None:
+        return cfg
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{MAX_STEPS_ENV}={value!r} must be a positive integer (or unset)")
+    return dataclasses.replace(cfg, max_steps=min(cfg.max_steps, int(value)))
 
 
 def _run_train(args) -> None:

@@ -5,6 +5,9 @@ vLLM's names, one small file each:
   block_manager.py  BlockManager: the block pool, reference counts, the prefix cache (hash chain, LRU)
   scheduler.py      Scheduler: FCFS under a token budget, prefill chunks and decode tokens in one step
   model_runner.py   ModelRunner: the KV pool tensor and one packed forward pass through the same model
+  config.py         EngineConfig: every knob, one frozen dataclass checked once
+  block_table.py    BlockTable: each running sequence's block ids in one persistent array
+  cuda_graphs.py    DecodeGraphs: decode-only steps replayed as CUDA graphs (GPU)
   sampler.py        Sampler: every row's next token in one batched pass (per-row parameters, device-side
                     token counts for the penalties), logprobs and prompt logprobs, one host read a step
   llm_engine.py     LLMEngine: add_request / step / abort / generate / stats / snapshot
@@ -16,6 +19,7 @@ vLLM's names, one small file each:
 
 from ..inference.sampling import SamplingParams
 from .block_manager import BlockManager
+from .config import EngineConfig
 from .handoff import KVHandoff
 from .kv_connector import KVConnector
 from .kv_tiers import HostTier, RedisTier
@@ -24,8 +28,8 @@ from .model_runner import ModelRunner, PagedBatch
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
-from .snapshot import EngineSnapshot, RequestSnapshot
+from .snapshot import EngineSnapshot, EngineStats, RequestSnapshot
 
-__all__ = ["BlockManager", "EngineSnapshot", "HostTier", "InvalidRequest", "KVConnector", "KVHandoff", "LLMEngine",
-           "ModelRunner", "PagedBatch", "RedisTier", "RequestOutput", "RequestSnapshot", "Sampler", "SamplingParams",
-           "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus", "TokenLogprob"]
+__all__ = ["BlockManager", "EngineConfig", "EngineSnapshot", "EngineStats", "HostTier", "InvalidRequest", "KVConnector",
+           "KVHandoff", "LLMEngine", "ModelRunner", "PagedBatch", "RedisTier", "RequestOutput", "RequestSnapshot",
+           "Sampler", "SamplingParams", "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus", "TokenLogprob"]

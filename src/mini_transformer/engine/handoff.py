@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._checks import token_id
 from ..inference.sampling import SamplingParams
 from .block_manager import blocks_for
 from .sequence import Sequence
@@ -43,7 +44,7 @@ class KVHandoff:
 
 
 def prefill(engine, prompt_token_ids, params: SamplingParams) -> KVHandoff:
-    """LLMEngine.prefill_for_handoff's work; the caller holds the engine's lock. However it ends, the
+    """LLMEngine.prefill_for_handoff's work, on the engine's thread. However it ends, the
     request leaves the engine (so the next handoff finds it empty): handed off, finished at its first
     token, or aborted when a step or the K/V copy raised. A handoff counts as one, not as an abort."""
     if engine.requests:
@@ -62,7 +63,7 @@ def prefill(engine, prompt_token_ids, params: SamplingParams) -> KVHandoff:
         engine.abort(request_id)  # still holding its blocks unless the failed step ended it already
         raise
     if not first.finished:
-        del engine.requests[request_id]
+        engine._forget(seq)
         engine.scheduler.finish(seq)  # its blocks return to the pool; its prefix stays in the cache
         engine.counters["requests_handed_off"] += 1
     return KVHandoff(tuple(seq.prompt_token_ids), first.new_token_ids[0], first.finished, first.finish_reason,
@@ -87,8 +88,7 @@ def check_handoff(engine, handoff: KVHandoff, params: SamplingParams) -> tuple[l
         raise ValueError(f"kv_handoff.kv is {got}; this engine expects a tensor of shape {shape} and dtype "
                          f"{runner.dtype}")
     first = handoff.first_token
-    if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < cfg.vocab_size:
-        raise ValueError(f"kv_handoff.first_token={first!r} must be a token id in [0, {cfg.vocab_size})")
+    token_id("kv_handoff.first_token", first, cfg.vocab_size)
     if first in stops or params.max_tokens == 1:
         raise ValueError(f"kv_handoff.first_token={first} already ends the request (a stop token, or "
                          "max_tokens=1)")
@@ -131,7 +131,7 @@ def adopt(engine, seq: Sequence, handoff: KVHandoff) -> None:
     except BaseException:
         manager.forget_uncomputed(seq)  # nothing counts as computed yet: every block leaves the cache
         manager.free(seq)
-        del engine.requests[seq.request_id]
+        engine._forget(seq)
         raise
     seq.num_computed_tokens = seq.num_prompt_tokens
     seq.append_token(handoff.first_token)

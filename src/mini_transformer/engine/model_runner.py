@@ -1,31 +1,50 @@
 """ModelRunner: the KV pool, and one forward pass over the packed tokens of every scheduled sequence.
 
-The pool is ONE tensor for all layers, (2, n_layer, num_blocks * block_size, Hkv, D): k and v, then the
-layer, then the slot. One block id therefore names the same slots in every layer, so the BlockManager
-hands out a block once for the whole model, memory is claimed in one allocation, and each layer's part
-is a view (`kv_cache[0, layer]`). Slots of one block are adjacent (slot = block_id * block_size + offset).
+The pool is ONE tensor for all layers, (2, n_layer, (num_blocks + 1) * block_size, Hkv, D): k and v,
+then the layer, then the slot. One block id therefore names the same slots in every layer, so the
+BlockManager hands out a block once for the whole model, memory is claimed in one allocation, and each
+layer's part is a view (`kv_cache[0, layer]`). Slots of one block are adjacent (slot = block_id *
+block_size + offset). The extra last block is nobody's: the padding rows of a CUDA-graph batch write there.
 
 A step packs the new tokens of all scheduled sequences into ONE row, idx (1, N), with no padding, and
 runs the same `TransformerLM` on it. The model sees a `PagedBatch` through the cache interface
 (`begin` -> positions, `attend` -> write K/V through the slot mapping, then paged attention).
+
+The step's inputs are built on the host from Python lists and numpy (block tables from the persistent
+`BlockTable`), and reach the device in two copies (ids/positions/logit rows, and the attention metadata),
+pinned and non_blocking on CUDA. On CUDA a decode-only step replays a captured CUDA graph (cuda_graphs.py)
+unless `enforce_eager`; on the CPU decode attention runs compiled (unless `enforce_eager`).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ..attention.paged import BLOCK_TABLE, GATHERED, PagedAttentionMetadata, paged_attention, write_kv
+from ..attention.paged import PagedAttentionMetadata, paged_attention, write_kv
 from ..config import TransformerConfig
 from ..model.transformer import Attend, TransformerLM
+from .block_table import BlockTable
+from .cuda_graphs import DecodeGraphs
 from .sampler import PromptLogprobs, Sampler, read_back
 from .sequence import Sequence
+
+
+def paged_attention_for(backend: str, compiled: bool):
+    """The paged attention a backend uses, chosen once: the Triton kernel walks the block tables itself;
+    every other backend runs `paged_attention` (decode rows block by block, prefill rows through it)."""
+    if backend == "triton":
+        from ..attention.triton_paged import triton_paged_attention
+
+        return lambda q, k_cache, v_cache, meta, attend: triton_paged_attention(q, k_cache, v_cache, meta)
+    return lambda q, k_cache, v_cache, meta, attend: paged_attention(q, k_cache, v_cache, meta, attend, compiled)
 
 
 class PagedBatch:
     """The cache interface over the engine's pool, for one step. positions (1, N)."""
 
-    def __init__(self, kv_cache: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata):
-        self.kv_cache, self.positions, self.meta = kv_cache, positions, meta
+    def __init__(self, kv_cache: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata, paged):
+        self.kv_cache, self.positions, self.meta, self.paged = kv_cache, positions, meta, paged
 
     def begin(self, idx: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         assert attention_mask is None and idx.shape == self.positions.shape
@@ -35,24 +54,9 @@ class PagedBatch:
         """q (1, H, N, D); k, v (1, Hkv, N, D). Write every new token's K/V first, then attend: a sequence
         that shares a block filled in this same step reads it already written."""
         k_cache, v_cache = self.kv_cache[0, layer], self.kv_cache[1, layer]  # (num_slots, Hkv, D) views
-        meta = self.meta
-        write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), meta.slot_mapping)
-        q = q[0].transpose(0, 1)  # (N, H, D)
-        # meta holds the one layout the model's backend reads (ModelRunner checked the backend once)
-        if meta.layouts == (BLOCK_TABLE,):  # the kernel walks the block tables itself: no gathered copy
-            from ..attention.triton_paged import triton_paged_attention
-
-            out = triton_paged_attention(q, k_cache, v_cache, meta.block_tables, meta.token_seq, meta.token_pos,
-                                         meta.block_size)
-        else:
-            out = paged_attention(q, k_cache, v_cache, meta, attend)  # (N, H, D)
+        write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), self.meta.slot_mapping)
+        out = self.paged(q[0].transpose(0, 1), k_cache, v_cache, self.meta, attend)  # (N, H, D)
         return out.transpose(0, 1)[None]  # (1, H, N, D)
-
-
-def attention_layout(backend: str) -> str:
-    """Which metadata layout a backend's paged attention reads: the Triton kernel walks the block tables
-    itself (BLOCK_TABLE); every other backend attends over keys gathered into padded groups (GATHERED)."""
-    return BLOCK_TABLE if backend == "triton" else GATHERED
 
 
 def bytes_per_block(cfg: TransformerConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -61,18 +65,32 @@ def bytes_per_block(cfg: TransformerConfig, block_size: int, dtype: torch.dtype)
     return 2 * cfg.n_layer * block_size * cfg.n_kv_heads * cfg.d_head * element
 
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array onto the device: through page-locked memory and non_blocking on CUDA, so the host
+    goes on building while the copy runs (from pageable memory the copy would make the host wait)."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 class ModelRunner:
-    def __init__(self, model: TransformerLM, num_blocks: int, block_size: int):
+    def __init__(self, model: TransformerLM, num_blocks: int, block_size: int, max_num_seqs: int = 64,
+                 enforce_eager: bool = False):
         cfg = model.config
         weight = model.tok_emb.weight
         self.model, self.block_size = model, block_size
-        # decided once: the metadata of every step is built in the one layout this backend reads
-        self.attention_layout = attention_layout(cfg.attn_backend)
         assert all(m.backend == cfg.attn_backend for m in model.modules() if isinstance(m, Attend)), \
-            "every layer must attend with the configured backend: the step metadata has its layout only"
+            "every layer must attend with the configured backend: the paged attention is chosen once"
         self.device, self.dtype = weight.device, weight.dtype
-        shape = (2, cfg.n_layer, num_blocks * block_size, cfg.n_kv_heads, cfg.d_head)
+        self.paged = paged_attention_for(cfg.attn_backend, compiled=self.device.type == "cpu" and not enforce_eager)
+        shape = (2, cfg.n_layer, (num_blocks + 1) * block_size, cfg.n_kv_heads, cfg.d_head)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.scratch_block = num_blocks  # the pool's extra block: no sequence ever owns it
+        self.block_table = BlockTable(-(-cfg.max_seq_len // block_size), rows=max_num_seqs)
+        self.graphs = None
+        if self.device.type == "cuda" and not enforce_eager:
+            self.graphs = DecodeGraphs(self, PagedBatch, max_num_seqs)
         self.sampler = Sampler(cfg.vocab_size, self.device)
 
     def slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
@@ -90,37 +108,58 @@ class ModelRunner:
         """Put K/V (2, n_layer, P, Hkv, D) into the slots of a sequence's tokens 0 .. P-1."""
         self.kv_cache[:, :, self.slots(block_table, kv.shape[2])] = kv.to(self.device)
 
+    def release(self, request_id: str) -> None:
+        """A request left the engine: free its row of the persistent block table."""
+        self.block_table.release(request_id)
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]], extra_rows: list[int]):
+        """The step's inputs, on the device: idx (1, N), positions (1, N), the rows whose logits are
+        wanted (M sampled rows, then `extra_rows`: prompt-logprob rows), the attention metadata; plus, per
+        pair, whether it samples (host)."""
+        input_ids: list[int] = []
+        last_rows: list[int] = []  # row of the packed batch whose logits pick each sampling sequence's token
+        samples: list[bool] = []  # per pair: does this chunk reach the sequence's last token?
+        context_lens, query_lens = [], []
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            input_ids += seq.tokens_between(start, start + n)
+            context_lens.append(start + n)
+            query_lens.append(n)
+            samples.append(start + n == seq.num_tokens)
+            if samples[-1]:
+                last_rows.append(len(input_ids) - 1)
+        positions = np.concatenate([np.arange(c - n, c) for c, n in zip(context_lens, query_lens, strict=True)])
+        rows_of_seqs = self.block_table.rows_for([seq for seq, _ in scheduled])  # first: it may grow the table
+        tables = self.block_table.table[rows_of_seqs]
+        meta = PagedAttentionMetadata.build(tables, context_lens, query_lens, self.block_size, self.device)
+        N = len(input_ids)
+        rows = np.asarray(last_rows + list(extra_rows), dtype=np.int64)
+        packed = to_device(np.concatenate([np.asarray(input_ids), positions, rows]), self.device)
+        idx, pos, rows = packed.split([N, N, len(rows)])
+        return idx.view(1, N), pos.view(1, N), rows, meta, samples
+
+    def forward(self, idx, positions, rows, meta, graphable: bool = True) -> torch.Tensor:
+        """(len(rows), V) logits at `rows`: a captured CUDA graph for a decode-only step that fits one (its
+        rows are all the tokens, in order), else eager."""
+        if graphable and self.graphs is not None and meta.is_decode_only and self.graphs.fits(idx.shape[1]):
+            return self.graphs.run(idx, positions, meta)
+        batch = PagedBatch(self.kv_cache, positions, meta, self.paged)
+        logits, _ = self.model(idx, cache=batch, logits_at=rows, check=False)  # (1, M, V): sampled rows only
+        return logits[0]
+
     def execute_model(self, scheduled: list[tuple[Sequence, int]]) -> list[int | None]:
         """One forward pass for the scheduled (sequence, num_new_tokens) pairs. Returns, per pair, the
         sampled next token, or None when the chunk does not reach the sequence's last token (its prefill
         goes on next step). The sampled ids (and the logprobs asked for) are read back to the host once,
         together; logprobs go onto their sequences (engine/sampler.py)."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        last_rows: list[int] = []  # row of the packed batch whose logits pick each sampling sequence's token
-        samplers: list[Sequence] = []
-        samples: list[bool] = []  # per pair: does this chunk reach the sequence's last token?
-        for seq, n in scheduled:
-            start = seq.num_computed_tokens
-            input_ids += seq.tokens_between(start, start + n)
-            positions += range(start, start + n)
-            samples.append(start + n == seq.num_tokens)
-            if samples[-1]:
-                last_rows.append(len(input_ids) - 1)
-                samplers.append(seq)
-        meta = PagedAttentionMetadata.build(
-            [seq.block_table for seq, _ in scheduled], [seq.num_computed_tokens + n for seq, n in scheduled],
-            [n for _, n in scheduled], self.block_size, self.device, layouts=(self.attention_layout,),
-        )
-        idx = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # (1, N)
-        batch = PagedBatch(self.kv_cache, torch.tensor([positions], device=self.device), meta)
         prompt = PromptLogprobs.of(scheduled)  # prompt rows get the head only when a request asks for them
-        rows = torch.tensor(last_rows + prompt.rows, dtype=torch.long, device=idx.device)
+        idx, positions, rows, meta, samples = self.prepare(scheduled, prompt.rows)
+        samplers = [seq for (seq, _), sampled in zip(scheduled, samples, strict=True) if sampled]
         self.sampler.grammar.prepare(samplers)  # constrained rows: their masks fill on a worker during the forward
-        logits, _ = self.model(idx, cache=batch, logits_at=rows, check=False)  # (1, M + R, V): those rows only
-        M = len(last_rows)
-        out = self.sampler.sample(logits[0, :M], samplers) if samplers else None
+        logits = self.forward(idx, positions, rows, meta, graphable=not prompt.rows)  # (M + R, V)
+        M = len(samplers)
+        out = self.sampler.sample(logits[:M], samplers) if samplers else None
         if prompt.rows:
-            prompt.compute(logits[0, M:])
+            prompt.compute(logits[M:])
         tokens = iter(read_back(out, samplers, prompt))  # the one host read
         return [next(tokens) if sampled else None for sampled in samples]

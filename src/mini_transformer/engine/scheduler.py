@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
-from .sequence import Sequence, SequenceStatus
+from .sequence import RequestOutput, Sequence, SequenceStatus
 
 
 @dataclass
@@ -51,6 +51,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
+        self.counters = dict(steps=0, prefill_tokens_computed=0, decode_tokens_computed=0,
+                             prefix_cache_hit_tokens=0, preemptions=0, requests_finished=0,
+                             requests_aborted=0, requests_handed_off=0, max_batched_tokens_seen=0,
+                             mixed_steps=0, kv_store_hit_tokens=0)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -70,7 +74,42 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        self.counters["preemptions"] += len(out.preempted)
+        self.counters["prefix_cache_hit_tokens"] += out.prefix_cache_hit_tokens
+        self.counters["kv_store_hit_tokens"] += out.kv_store_hit_tokens
         return out
+
+    def update_from_output(self, plan: SchedulerOutput, next_ids: list[int | None]
+                           ) -> tuple[list[RequestOutput], list[Sequence]]:
+        """After the step's forward pass: advance each scheduled sequence's computed tokens, append its
+        sampled token (None: a prefill chunk that stops short of the last token), finish and free the
+        sequences that are done. Returns the outputs and the sequences that finished (vLLM v1's name)."""
+        c = self.counters
+        c["steps"] += 1
+        prefilling = [seq.num_computed_tokens < seq.num_prompt_tokens for seq, _ in plan.scheduled]
+        c["mixed_steps"] += any(prefilling) and not all(prefilling)  # prefill beside decode
+        c["max_batched_tokens_seen"] = max(c["max_batched_tokens_seen"], plan.num_batched_tokens)
+        outputs, finished = [], []
+        for (seq, num_new), token in zip(plan.scheduled, next_ids, strict=True):
+            start = seq.num_computed_tokens
+            in_prompt = max(0, min(start + num_new, seq.num_prompt_tokens) - start)
+            c["prefill_tokens_computed"] += in_prompt
+            c["decode_tokens_computed"] += num_new - in_prompt
+            seq.num_computed_tokens += num_new
+            if token is None:
+                continue
+            added = seq.append_token(token)  # False: the grammar refused it (the request ends, "error")
+            if seq.is_finished:
+                self.finish(seq)
+                finished.append(seq)
+                c["requests_finished"] += 1
+            logprobs = None if seq.params.logprobs is None else (seq.output_logprobs[-1],)
+            prompt_logprobs = None
+            if seq.needs_prompt_logprobs:  # complete by now: the first token needed the whole prompt computed
+                prompt_logprobs, seq.prompt_logprobs_sent = tuple(seq.prompt_logprobs), True
+            outputs.append(RequestOutput(seq.request_id, [token] if added else [], seq.is_finished, seq.finish_reason, logprobs,
+                                         prompt_logprobs))
+        return outputs, finished
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._checks import boolean, instance, integer, positive_int, token_id, token_ids
 from ..model.transformer import TransformerLM, check_attention_mask, check_token_ids
 from .kv_cache import KVCache
 from .sampling import SamplingParams, sample_next
@@ -46,8 +47,7 @@ def as_sampling_params(params: SamplingParams | int, sampling: dict) -> Sampling
         return params
     if isinstance(params, bool) or not isinstance(params, int):
         raise TypeError(f"expected SamplingParams or max_new_tokens (an int), got {params!r}")
-    if params < 1:
-        raise ValueError(f"max_new_tokens={params} must be a positive integer")
+    positive_int("max_new_tokens", params)
     known = {f.name for f in dataclasses.fields(SamplingParams)} - {"max_tokens"}
     unknown = sorted(set(sampling) - known)
     if unknown:
@@ -56,8 +56,8 @@ def as_sampling_params(params: SamplingParams | int, sampling: dict) -> Sampling
 
 
 def _check_generate_args(model, idx, params, attention_mask, eos_token_id, stream) -> None:
-    if not isinstance(model, TransformerLM):
-        raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
+    instance("model", model, TransformerLM)
+    model.check_backend(training=False)  # generate runs the model in eval mode
     cfg = model.config
     B, T = check_token_ids(idx, cfg.vocab_size)
     if T + params.max_tokens > cfg.max_seq_len:
@@ -72,12 +72,9 @@ def _check_generate_args(model, idx, params, attention_mask, eos_token_id, strea
             raise ValueError("attention_mask must end with a real token in every row: pad prompts on the LEFT")
         if bool((keep[:, 1:] < keep[:, :-1]).any()):
             raise ValueError("attention_mask has padding after a real token; pad prompts on the LEFT only")
-    if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)):
-        raise TypeError(f"eos_token_id={eos_token_id!r} must be an int or None")
-    for token in params.stops(eos_token_id):
-        if not 0 <= token < cfg.vocab_size:
-            name = "eos_token_id" if token == eos_token_id else "a stop token id"
-            raise ValueError(f"{name}={token} is outside [0, vocab_size={cfg.vocab_size})")
+    if eos_token_id is not None:
+        token_id("eos_token_id", eos_token_id, cfg.vocab_size)
+    token_ids("stop_token_ids", params.stop_token_ids, cfg.vocab_size, empty=True)
     if params.logit_bias and params.logit_bias[-1][0] >= cfg.vocab_size:  # pairs are sorted by token id
         raise ValueError(f"logit_bias names token {params.logit_bias[-1][0]}, outside [0, vocab_size={cfg.vocab_size})")
     if params.logprobs is not None or params.prompt_logprobs is not None:
@@ -122,16 +119,24 @@ def generate(
     """
     params = as_sampling_params(params, sampling)
     _check_generate_args(model, idx, params, attention_mask, eos_token_id, stream)
-    if not isinstance(compile, bool):
-        raise TypeError(f"compile={compile!r} must be a bool")
+    boolean("compile", compile)
     if compile and not use_cache:
         raise ValueError("compile=True decodes from a static KV cache; it cannot be combined with use_cache=False")
+    if draft_model is not None and (compile or not use_cache or attention_mask is not None):
+        raise ValueError("draft_model: speculative decoding runs one unpadded row from the KV cache "
+                         "(no compile, no use_cache=False, no attention_mask)")
+    return _generate(model, idx, params, attention_mask=attention_mask, eos_token_id=eos_token_id,
+                     use_cache=use_cache, generator=generator, stream=stream, compile=compile,
+                     draft_model=draft_model, num_speculative_tokens=num_speculative_tokens)
+
+
+@torch.inference_mode()
+def _generate(model, idx, params: SamplingParams, *, attention_mask, eos_token_id, use_cache, generator, stream,
+              compile, draft_model, num_speculative_tokens) -> torch.Tensor:
+    """generate's work, on arguments its door has checked (generate_long's later chunks come here too)."""
     if draft_model is not None:
         from .speculative import speculative_generate
 
-        if compile or not use_cache or attention_mask is not None:
-            raise ValueError("draft_model: speculative decoding runs one unpadded row from the KV cache "
-                             "(no compile, no use_cache=False, no attention_mask)")
         return speculative_generate(model, idx, params, draft_model, num_speculative_tokens,
                                     eos_token_id=eos_token_id, generator=generator, stream=stream)
     if generator is None:
@@ -161,10 +166,10 @@ def generate(
                 from .static_cache import compiled_decode_step, decode_cache, static_length
 
                 max_len = static_length(T + n_new, model.config.max_seq_len)
-                cache = decode_cache(model.config, B, max_len, dtype=dtype, device=device)
+                cache = decode_cache(model, B, max_len, dtype=dtype, device=device)
                 step_fn = compiled_decode_step(device)
             else:
-                cache = KVCache.for_model(model.config, B, T + n_new, dtype=dtype, device=device)
+                cache = KVCache.for_model(model, B, T + n_new, dtype=dtype, device=device)
             logits = prefill(model, idx, cache, prompt_mask)
         else:
             logits = model(idx, attention_mask=prompt_mask, check=False)[0][:, -1]
@@ -180,13 +185,17 @@ def generate(
                 stream(next_ids)
             if step == n_new - 1:
                 break
-            if len(stops) and bool(finished.all()):
-                break  # every row has stopped: the loop's one host read, made only when there are stop tokens
+            all_stopped = finished.all() if len(stops) else None  # (), still on the device
             if use_cache:
                 logits = step_fn(model, next_ids, cache)
             else:  # the naive way: the whole sequence again, to read one new row of logits
                 mask = keep[:, :length + 1] if prompt_mask is not None else None
                 logits = model(tokens[:, :length + 1], attention_mask=mask, check=False)[0][:, -1]
+            # The stop test, one step late: read whether every row had stopped only after the next forward
+            # pass is queued, so the device never idles waiting for the host. If they had, that forward's
+            # logits are dropped unsampled: the tokens are the same as testing before it.
+            if all_stopped is not None and bool(all_stopped):
+                break
     finally:
         model.train(was_training)
     new_ids = tokens[:, T:]
@@ -222,8 +231,7 @@ def generate_long(
     params = as_sampling_params(params, sampling)
     context = model.config.max_seq_len
     keep_tokens = context // 2 if keep_tokens is None else keep_tokens
-    if isinstance(keep_tokens, bool) or not isinstance(keep_tokens, int) or not 1 <= keep_tokens < context:
-        raise ValueError(f"keep_tokens={keep_tokens!r} must be an integer in [1, max_seq_len={context})")
+    integer("keep_tokens", keep_tokens, low=1, high=context - 1, expected=f"an integer in [1, max_seq_len={context})")
     if generator is None:  # one generator for every chunk, so a seed does not repeat its draws
         generator = params.make_generator(idx.device)
     stops = torch.tensor(params.stops(eos_token_id), dtype=torch.long, device=idx.device)  # (S,)
@@ -234,9 +242,10 @@ def generate_long(
     while produced < params.max_tokens:
         n = min(params.max_tokens - produced, context - window.shape[1])
         chunk_params = dataclasses.replace(params, max_tokens=n, seed=None)
-        new = generate(model, window, chunk_params, eos_token_id=eos_token_id, use_cache=use_cache,
-                       generator=generator, stream=stream, compile=compile, draft_model=draft_model,
-                       num_speculative_tokens=num_speculative_tokens)  # (B, n)
+        run = _generate if chunks else generate  # the first chunk goes through the door; the rest are our own ids
+        new = run(model, window, chunk_params, attention_mask=None, eos_token_id=eos_token_id, use_cache=use_cache,
+                  generator=generator, stream=stream, compile=compile, draft_model=draft_model,
+                  num_speculative_tokens=num_speculative_tokens)  # (B, n)
         if len(stops):  # a row that stopped in an earlier chunk keeps repeating its stop token
             if chunks:
                 new = torch.where(finished[:, None], chunks[-1][:, -1:], new)

@@ -7,12 +7,16 @@ the check of the sizes and `for_model`.
 
 from __future__ import annotations
 
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import torch
 
+from .._checks import positive_int
 from ..config import TransformerConfig
 from ..model.cache import Attend
+
+if TYPE_CHECKING:
+    from ..model.transformer import TransformerLM
 
 
 class SlabCache:
@@ -22,19 +26,22 @@ class SlabCache:
 
     @staticmethod
     def check_sizes(**sizes: int) -> None:
-        """ValueError naming the first size that is not a positive integer (the constructors' door)."""
+        """The constructors' door: each size is a positive integer (`_checks.positive_int`)."""
         for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            positive_int(name, value)
 
     @classmethod
-    def for_model(cls, cfg: TransformerConfig, batch_size: int, max_len: int | None = None, *,
+    def for_model(cls, model: TransformerLM | TransformerConfig, batch_size: int, max_len: int | None = None, *,
                   dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Self:
-        """A cache shaped for a `cfg` model: batch_size rows of max_len slots (default: max_seq_len)."""
+        """A cache shaped for `model` (a TransformerLM, or a TransformerConfig): batch_size rows of max_len
+        slots (default: max_seq_len). A model's layers say how many K/V heads they hold (`kv_heads`: a
+        tensor-parallel shard holds its share of the config's n_kv_heads)."""
+        cfg, n_kv_heads = (model, model.n_kv_heads) if isinstance(model, TransformerConfig) else (model.config,
+                                                                                                model.kv_heads)
         max_len = cfg.max_seq_len if max_len is None else max_len
         if max_len > cfg.max_seq_len:
             raise ValueError(f"max_len={max_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
-        return cls(cfg.n_layer, batch_size, max_len, cfg.n_kv_heads, cfg.d_head, dtype=dtype, device=device)
+        return cls(cfg.n_layer, batch_size, max_len, n_kv_heads, cfg.d_head, dtype=dtype, device=device)
 
 
 class KVCache(SlabCache):
@@ -71,14 +78,15 @@ class KVCache(SlabCache):
         """2 (k and v) * n_layer * B * Hkv * max_len * D * bytes per element."""
         return self.k.nbytes + self.v.nbytes
 
-    def check_fits(self, cfg: TransformerConfig, batch_size: int, n_new: int, dtype: torch.dtype) -> None:
-        """Raise ValueError unless this cache can take `n_new` tokens of a `cfg` model running in `dtype`.
+    def check_fits(self, model: TransformerLM, batch_size: int, n_new: int, dtype: torch.dtype) -> None:
+        """Raise ValueError unless this cache can take `n_new` tokens of `model` running in `dtype`.
         The model's door calls it when a user hands in a cache."""
         n_layer, B, Hkv, max_len, D = self.k.shape
-        if (n_layer, Hkv, D) != (cfg.n_layer, cfg.n_kv_heads, cfg.d_head):
+        cfg = model.config
+        if (n_layer, Hkv, D) != (cfg.n_layer, model.kv_heads, cfg.d_head):
             raise ValueError(
                 f"cache has (n_layer, n_kv_heads, d_head) = {(n_layer, Hkv, D)}, expected "
-                f"{(cfg.n_layer, cfg.n_kv_heads, cfg.d_head)} from the model's config"
+                f"{(cfg.n_layer, model.kv_heads, cfg.d_head)} from the model"
             )
         if B != batch_size:
             raise ValueError(f"batch size {batch_size} does not match the cache's batch_size={B}")

@@ -19,43 +19,14 @@ per-row parameters (engine/sampler.py), and its tests compare the two draw for d
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .._checks import non_negative_int, number
+from .._checks import boolean, integer, non_negative_int, number, positive_int, probability, token_ids
 from .structured import StructuredOutput
 
-
-def _is_number(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int | float)
-
-
-def _is_int(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int)
-
-
-# field: (type test, what type, value test, what values) -- None is allowed for every optional field
-_RULES = {
-    "temperature": (_is_number, "a number", lambda v: math.isfinite(v) and v >= 0.0,
-                    "a finite number >= 0 (0 means greedy)"),
-    "top_k": (_is_int, "an int or None", lambda v: v >= 1, ">= 1"),
-    "top_p": (_is_number, "a number or None", lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
-    "min_p": (_is_number, "a number or None", lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
-    "repetition_penalty": (_is_number, "a number or None", lambda v: math.isfinite(v) and v > 0.0,
-                           "a finite number > 0 (1 = off)"),
-    "max_tokens": (_is_int, "an int", lambda v: v >= 1, "a positive integer"),
-    "ignore_eos": (lambda v: isinstance(v, bool), "a bool", lambda v: True, ""),
-    "seed": (_is_int, "an int or None", lambda v: True, ""),
-    "presence_penalty": (_is_number, "a number", lambda v: -2.0 <= v <= 2.0, "in [-2, 2] (OpenAI's range)"),
-    "frequency_penalty": (_is_number, "a number", lambda v: -2.0 <= v <= 2.0, "in [-2, 2] (OpenAI's range)"),
-    "min_tokens": (_is_int, "an int", lambda v: v >= 0, ">= 0"),
-    "logprobs": (_is_int, "an int or None", lambda v: v >= 0, ">= 0 (0: the chosen token's only)"),
-    "prompt_logprobs": (_is_int, "an int or None", lambda v: v >= 0, ">= 0 (0: each prompt token's only)"),
-}
-_NOT_OPTIONAL = ("temperature", "max_tokens", "ignore_eos", "presence_penalty", "frequency_penalty", "min_tokens")
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 
 
@@ -102,17 +73,27 @@ class SamplingParams:
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
-        for name, (is_type, type_text, is_valid, values_text) in _RULES.items():
-            value = getattr(self, name)
-            if value is None and name not in _NOT_OPTIONAL:
-                continue
-            if not is_type(value):
-                raise TypeError(f"{name}={value!r} must be {type_text}")
-            if not is_valid(value):
-                raise ValueError(f"{name}={value} must be {values_text}")
-        stops = self.stop_token_ids
-        if not isinstance(stops, tuple | list) or not all(_is_int(t) and t >= 0 for t in stops):
-            raise ValueError(f"stop_token_ids={stops!r} must be a list of non-negative token ids")
+        number("temperature", self.temperature, low=0.0, expected="a finite number >= 0 (0 means greedy)")
+        if self.top_k is not None:
+            positive_int("top_k", self.top_k)
+        if self.top_p is not None:
+            probability("top_p", self.top_p, zero=False)
+        if self.min_p is not None:
+            probability("min_p", self.min_p)
+        if self.repetition_penalty is not None:
+            number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True,
+                   expected="a finite number > 0 (1 = off)")
+        positive_int("max_tokens", self.max_tokens)
+        boolean("ignore_eos", self.ignore_eos)
+        if self.seed is not None:
+            integer("seed", self.seed)
+        for name in ("presence_penalty", "frequency_penalty"):
+            number(name, getattr(self, name), low=-2.0, high=2.0, expected="in [-2, 2] (OpenAI's range)")
+        non_negative_int("min_tokens", self.min_tokens)
+        for name in ("logprobs", "prompt_logprobs"):  # 0: the chosen (or each prompt) token's own only
+            if getattr(self, name) is not None:
+                non_negative_int(name, getattr(self, name))
+        stops = token_ids("stop_token_ids", self.stop_token_ids, empty=True)  # the vocabulary: the engine's door
         object.__setattr__(self, "stop_token_ids", tuple(stops))  # a list is accepted, a tuple is kept
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
@@ -120,9 +101,12 @@ class SamplingParams:
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise TypeError(f"structured={self.structured!r} must be a StructuredOutput or None")
-            if self.ignore_eos or self.min_tokens:
-                raise ValueError("structured output ends where the grammar does: it cannot be combined with "
-                                 f"ignore_eos={self.ignore_eos} or min_tokens={self.min_tokens}")
+            if self.ignore_eos:
+                raise ValueError("ignore_eos=True cannot be combined with structured output: the grammar decides "
+                                 "where the output ends")
+            if self.min_tokens:
+                raise ValueError(f"min_tokens={self.min_tokens} cannot be combined with structured output: the "
+                                 "grammar decides where the output ends")
 
     @property
     def greedy(self) -> bool:
@@ -185,7 +169,8 @@ def top_p_cut(sorted_logits: torch.Tensor, top_p: float | torch.Tensor) -> torch
     top_p is kept, and the most likely token always is. top_p: a float or a (B, 1) tensor."""
     probs = torch.softmax(sorted_logits.float(), dim=-1)  # (B, V)
     mass_before = probs.cumsum(dim=-1) - probs  # (B, V): probability of the tokens ranked above
-    n_kept = (mass_before < top_p).sum(dim=-1, keepdim=True)  # (B, 1), >= 1: mass_before[0] = 0
+    # (B, 1); at least the most likely token even for a top_p that rounds to 0 in float32 (5e-324)
+    n_kept = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp_min(1)
     return sorted_logits.gather(-1, n_kept - 1)
 
 

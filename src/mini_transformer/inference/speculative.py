@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._checks import positive_int
 from ..model.transformer import TransformerLM
 from .kv_cache import KVCache
 from .sampling import SamplingParams, draw_from_probs, filtered_logits
@@ -96,7 +97,7 @@ class _ModelDrafter:
 
     def __init__(self, model: TransformerLM, prompt: torch.Tensor, max_len: int):
         self.model = model
-        self.cache = KVCache.for_model(model.config, 1, max_len, dtype=model.tok_emb.weight.dtype,
+        self.cache = KVCache.for_model(model, 1, max_len, dtype=model.tok_emb.weight.dtype,
                                        device=prompt.device)
         if prompt.shape[1] > 1:
             model(prompt[:, :-1], cache=self.cache, check=False)
@@ -130,8 +131,7 @@ class _ModelDrafter:
 def _check_speculative_args(target, idx, params, draft_model, k) -> None:
     if idx.shape[0] != 1:
         raise ValueError(f"speculative decoding runs one row; idx has batch size {idx.shape[0]}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"num_speculative_tokens={k!r} must be a positive integer")
+    positive_int("num_speculative_tokens", k)
     if params.penalised or params.logit_bias or params.min_tokens:
         raise ValueError("speculative decoding does not take repetition_penalty, presence/frequency_penalty, "
                          "logit_bias or min_tokens (they change p at every draft)")
@@ -144,6 +144,7 @@ def _check_speculative_args(target, idx, params, draft_model, k) -> None:
         return
     if not isinstance(draft_model, TransformerLM):
         raise TypeError(f"draft_model must be a TransformerLM or {PROMPT_LOOKUP!r}, got {type(draft_model).__name__}")
+    draft_model.check_backend(training=False)
     if draft_model.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"draft vocab_size={draft_model.config.vocab_size} differs from the target's "
                          f"{target.config.vocab_size}; they must share a tokenizer")
@@ -179,7 +180,7 @@ def speculative_generate(
         m.eval()
     try:
         max_len = idx.shape[1] + n_new
-        cache = KVCache.for_model(target.config, 1, max_len, dtype=target.tok_emb.weight.dtype, device=device)
+        cache = KVCache.for_model(target, 1, max_len, dtype=target.tok_emb.weight.dtype, device=device)
         if idx.shape[1] > 1:  # the target's cache holds every committed token but the last
             target(idx[:, :-1], cache=cache, check=False)
         drafter = _ModelDrafter(draft_model, idx, max_len) if len(models) == 2 else None

@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..config import TransformerConfig
 from ..model.cache import Attend
+from ..model.transformer import TransformerLM
 from .kv_cache import SlabCache
 
 
@@ -122,7 +122,7 @@ class StaticCache(SlabCache):
 _SHARED_CACHES: dict[tuple, StaticCache] = {}
 
 
-def decode_cache(cfg: TransformerConfig, batch_size: int, max_len: int, *, dtype: torch.dtype,
+def decode_cache(model: TransformerLM, batch_size: int, max_len: int, *, dtype: torch.dtype,
                  device: torch.device | str) -> StaticCache:
     """generate(compile=True)'s cache. Where its tensors are marked static (cuda), the step's CUDA graph
     replays their addresses and a new address makes cudagraph trees record the graph again (after 128
@@ -131,12 +131,13 @@ def decode_cache(cfg: TransformerConfig, batch_size: int, max_len: int, *, dtype
     (one per shape: slab lengths are multiples of 128, so few). So two generate(compile=True) calls of one
     shape must not run at the same time on cuda. Elsewhere a fresh cache per call."""
     if not marks_static_addresses(device):
-        return StaticCache.for_model(cfg, batch_size, max_len, dtype=dtype, device=device)
-    key = (cfg.n_layer, batch_size, max_len, cfg.n_kv_heads, cfg.d_head, dtype, torch.device(device))
+        return StaticCache.for_model(model, batch_size, max_len, dtype=dtype, device=device)
+    cfg = model.config
+    key = (cfg.n_layer, batch_size, max_len, model.kv_heads, cfg.d_head, dtype, torch.device(device))
     if key in _SHARED_CACHES:
         _SHARED_CACHES[key].reset()
     else:
-        _SHARED_CACHES[key] = StaticCache.for_model(cfg, batch_size, max_len, dtype=dtype, device=device)
+        _SHARED_CACHES[key] = StaticCache.for_model(model, batch_size, max_len, dtype=dtype, device=device)
     return _SHARED_CACHES[key]
 
 

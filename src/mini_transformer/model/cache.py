@@ -22,8 +22,6 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..config import TransformerConfig
-
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
@@ -59,4 +57,4 @@ class CheckedCache(Cache, Protocol):
 
     length: int
 
-    def check_fits(self, cfg: TransformerConfig, batch_size: int, n_new: int, dtype: torch.dtype) -> None: ...
+    def check_fits(self, model, batch_size: int, n_new: int, dtype: torch.dtype) -> None: ...

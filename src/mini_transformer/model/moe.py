@@ -29,24 +29,43 @@ ACTIVATIONS = {"gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh")
 
 
 def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """PyTorch's grouped matmul takes fp32/bf16 on the CPU with rows aligned to 16 bytes (and needs
-    recent GPUs on CUDA, so there we keep the loop)."""
-    if not hasattr(F, "grouped_mm") or x.device.type != "cpu" or x.dtype != weight.dtype:
-        return False
-    if x.dtype not in (torch.float32, torch.bfloat16):
+    """PyTorch's grouped matmul takes fp32/bf16 on the CPU with rows aligned to 16 bytes; on CUDA bf16 on
+    Hopper or newer (sm_90+). Elsewhere on CUDA the padded batched matmul runs (no host read either)."""
+    if not hasattr(F, "grouped_mm") or x.dtype != weight.dtype:
         return False
     size = x.element_size()
-    return (weight.shape[1] * size) % 16 == 0 and (weight.shape[2] * size) % 16 == 0
+    aligned = (weight.shape[1] * size) % 16 == 0 and (weight.shape[2] * size) % 16 == 0
+    if x.device.type == "cuda":
+        return aligned and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return aligned and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
 
 
-def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | list[int],
+                   expert_of_row: torch.Tensor | None = None) -> torch.Tensor:
     """x (R, in) with its rows sorted by expert, counts (E,) rows per expert, weight (E, out, in)
     -> (R, out): row r of expert e becomes weight[e] @ x[r]. Each expert's weight is read once.
-    counts may also be the sizes already read back to the host (a list): then the loop runs."""
+    counts may also be the sizes already read back to the host (a list): then the loop runs. On CUDA
+    without the grouped kernel, the padded batched matmul (it needs expert_of_row)."""
     if not isinstance(counts, list) and _grouped_mm_fits(x, weight):
         offsets = counts.cumsum(0).to(torch.int32)  # (E,) end row of each group, stays on the device
         return F.grouped_mm(x.contiguous(), weight.transpose(1, 2), offs=offsets)
+    if not isinstance(counts, list) and x.device.type == "cuda":
+        return padded_grouped_matmul(x, weight, counts, expert_of_row)
     return grouped_matmul_loop(x, weight, counts)
+
+
+def padded_grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                          expert_of_row: torch.Tensor) -> torch.Tensor:
+    """The same with no host read and no grouped kernel: each expert's rows go into its own (R, in) slab
+    of a zero (E, R, in) buffer, one batched matmul runs all E slabs, and each row is read back from its
+    place. It computes E times the rows (padding) — the price of never asking the host for the sizes."""
+    R = x.shape[0]
+    first_row = counts.cumsum(0) - counts  # (E,) where each expert's group starts in the sorted rows
+    place = torch.arange(R, device=x.device) - first_row[expert_of_row]  # (R,) row within its group
+    slabs = x.new_zeros(weight.shape[0], R, x.shape[1])
+    slabs[expert_of_row, place] = x  # (E, R, in)
+    out = torch.bmm(slabs, weight.transpose(1, 2))  # (E, R, out)
+    return out[expert_of_row, place]  # (R, out)
 
 
 def grouped_matmul_loop(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
@@ -66,7 +85,7 @@ class ExpertLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(n_experts, d_out)) if bias else None
 
     def forward(self, x, counts, expert_of_row):  # (R, in) sorted by expert -> (R, out)
-        out = grouped_matmul(x, self.weight, counts)
+        out = grouped_matmul(x, self.weight, counts, expert_of_row)
         return out if self.bias is None else out + self.bias[expert_of_row]
 
     def gathered(self, x: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
@@ -103,10 +122,11 @@ class Experts(nn.Module):
         return self._ffn(lambda linear, h: linear(h, counts, expert_of_row), x)
 
     def takes_grouped_kernel(self, x: torch.Tensor) -> bool:
-        """Whether grouped_matmul runs the grouped kernel for x (no host read) rather than the loop.
+        """Whether grouped_matmul runs without a host read: the grouped kernel, or on CUDA the padded
+        batched matmul, rather than the loop.
         Every matrix here spans the same two sizes (C and d_ff) in x's dtype, so the first decides."""
         first = self.w_gate if self.gated else self.fc1
-        return _grouped_mm_fits(x, first.weight)
+        return x.device.type == "cuda" or _grouped_mm_fits(x, first.weight)
 
     def gathered(self, x, expert_of_row):  # (R, C) in any order -> (R, C)
         return self._ffn(lambda linear, h: linear.gathered(h, expert_of_row), x)

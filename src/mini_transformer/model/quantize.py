@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._checks import choice, integer
+
 MODES = ("int8", "int4")
 FUSED_MAX_ROWS = 8  # a compiled step with at most this many rows (batch x tokens) uses the fused reduction
 
@@ -205,10 +207,9 @@ def quantize(model: nn.Module, mode: str, group_size: int = 64, *, packed_kernel
 
     int4 leaves a layer whose input width is not a multiple of group_size in float (named in
     `model.quantization["skipped"]`). A tied head gets its own quantized copy; the embedding stays float."""
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not known; expected one of {', '.join(MODES)}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 or group_size % 2:
-        raise ValueError(f"group_size={group_size!r} must be an even integer >= 2")
+    choice("mode", mode, MODES)
+    if integer("group_size", group_size) < 2 or group_size % 2:
+        raise ValueError(f"group_size={group_size} must be an even integer >= 2")
     if getattr(model, "quantization", None):
         raise ValueError(f"the model is already quantized ({model.quantization['mode']})")
     skipped = []

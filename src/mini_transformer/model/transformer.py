@@ -9,7 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..attention import get_backend
+from .._checks import instance
+from ..attention import check_backend, get_backend
 from ..checkpoint import read_checkpoint, write_checkpoint
 from ..config import TransformerConfig
 from .cache import Cache, CheckedCache, NoCache
@@ -151,8 +152,7 @@ class TransformerLM(nn.Module):
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        if not isinstance(cfg, TransformerConfig):
-            raise TypeError(f"cfg must be a TransformerConfig, got {type(cfg).__name__}")
+        instance("cfg", cfg, TransformerConfig)
         self.config = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos_emb == "learned" else None
@@ -217,9 +217,26 @@ class TransformerLM(nn.Module):
             x = x + self.sinusoid[positions]
         return x
 
+    @property
+    def kv_heads(self) -> int:
+        """The key/value heads each attention layer of this model holds, what a KV cache must store:
+        config.n_kv_heads, or under tensor parallelism this rank's share (parallel/tp.py cuts the layers,
+        the config stays the whole model's)."""
+        return self.blocks[0].attn.n_kv_heads
+
+    def check_backend(self, training: bool | None = None) -> None:
+        """Can the configured attention backend run this model as it is now (its dtype, device, head size,
+        and attention dropout when run in training mode; `training=None`: the model's mode now)? Asked once
+        at each door (forward's, generate's, the engine's, train's), never by the layers: `Attend` calls
+        the backend function as it is."""
+        weight, cfg = self.tok_emb.weight, self.config
+        training = self.training if training is None else training
+        check_backend(cfg.attn_backend, weight.dtype, cfg.d_head, weight.device, cfg.attn_pdrop if training else 0.0)
+
     def check_inputs(self, idx, targets=None, attention_mask=None, cache=None, logits_at=None) -> None:
         """The door of `forward`: raise ValueError/TypeError naming the first bad argument."""
         cfg = self.config
+        self.check_backend()
         B, T = check_token_ids(idx, cfg.vocab_size)
         if logits_at is not None:
             if not isinstance(logits_at, torch.Tensor) or logits_at.dim() != 1 or logits_at.is_floating_point():
@@ -236,7 +253,7 @@ class TransformerLM(nn.Module):
         if cache is not None:
             if not isinstance(cache, CheckedCache):
                 raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
-            cache.check_fits(cfg, B, T, self.tok_emb.weight.dtype)
+            cache.check_fits(self, B, T, self.tok_emb.weight.dtype)
         if attention_mask is not None:
             check_attention_mask(attention_mask, (B, T))
         if targets is not None:

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .._checks import number, positive_int
+
 GRACE_S = 5.0  # after one rank fails, how long the others get to report their own error
 
 
@@ -71,10 +73,8 @@ def run_processes(fn: Callable, world_size: int = 2, *, args: tuple = (), timeou
 
     backend=None starts no group: the ranks get torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT) and `fn` calls init_process_group itself (as `train` does)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive integer")
-    if not isinstance(timeout, int | float) or timeout <= 0:
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+    positive_int("world_size", world_size)
+    number("timeout", timeout, low=0.0, low_open=True, expected="a positive number of seconds")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

@@ -18,10 +18,11 @@ each rank's slice of the hidden units is used only by its own slice of the next 
 is split too (not replicated): it is 31% of GPT-2 small's weights, and replicating it would leave each
 of two ranks holding 0.66x of the model instead of 0.50x.
 
-The model stays the one TransformerLM: its Linear layers are cut down in place, the attention modules
-get their local head counts, and `model.config` becomes the config of one shard (local heads, d_model
-and d_ff divided by the world size, d_head unchanged), as gpt-fast does, so that the KV cache is sized
-for the heads this rank really holds. The full config is kept in `model.tensor_parallel.full_config`.
+The model stays the one TransformerLM: its Linear layers are cut down in place and the attention modules
+get their local head counts. `model.config` stays true: it describes the whole model, whose residual
+stream is d_model wide on every rank. The shard's sizes (local heads and FFN width) are kept in
+`model.tensor_parallel`; a KV cache asks the model's layers how many K/V heads they hold
+(`TransformerLM.kv_heads`), so it is sized for the heads this rank really holds.
 """
 
 from __future__ import annotations
@@ -37,15 +38,21 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._checks import instance, positive_int
 from ..config import TransformerConfig
 from ..model.transformer import TransformerLM
 
 
 @dataclass
 class TensorParallelInfo:
+    """Where this rank's shard sits; `model.config` stays the whole model's (the residual stream keeps its
+    full width d_model on every rank). The shard's own sizes are the config's divided by world_size."""
+
     rank: int
     world_size: int
-    full_config: TransformerConfig
+    n_heads: int  # this rank's query heads
+    n_kv_heads: int  # this rank's key/value heads (what its KV cache holds: TransformerLM.kv_heads)
+    d_ff: int  # this rank's slice of the FFN's hidden units
     group: object = None  # the process group (None = the default one)
 
 
@@ -115,8 +122,7 @@ class VocabParallelHead(nn.Module):
 
 def check_divisible(cfg: TransformerConfig, world_size: int) -> None:
     """Raise ValueError unless heads, kv heads and the FFN width split evenly over `world_size`."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive integer")
+    positive_int("world_size", world_size)
     if cfg.ffn == "moe":
         raise ValueError("tensor parallelism splits dense FFNs; an MoE model (ffn='moe') splits its experts "
                          "instead (parallel/ep.py: shard_expert_parallel)")
@@ -201,8 +207,7 @@ def shard_tensor_parallel(model: TransformerLM, group=None) -> TransformerLM:
     Call it on every rank of `group` (default: the whole world) after init_process_group. The shard
     answers the same forward calls as the full model (inference only: its weights do not train).
     """
-    if not isinstance(model, TransformerLM):
-        raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
+    instance("model", model, TransformerLM)
     if getattr(model, "tensor_parallel", None) is not None:
         raise ValueError("model is already sharded for tensor parallelism")
     if not dist.is_initialized():
@@ -216,10 +221,9 @@ def shard_tensor_parallel(model: TransformerLM, group=None) -> TransformerLM:
             _shard_attention(block.attn, cfg, rank, world, group, counter)
             _shard_ffn(block.ffn, cfg, rank, world, group, counter)
         _shard_vocab(model, cfg, rank, world, group, counter)
-    model.tensor_parallel = TensorParallelInfo(rank, world, cfg, group)
+    model.tensor_parallel = TensorParallelInfo(rank, world, cfg.n_heads // world, cfg.n_kv_heads // world,
+                                               cfg.d_ff // world, group)
     model.collectives = counter
-    model.config = cfg.replace(d_model=cfg.d_model // world, n_heads=cfg.n_heads // world,
-                               n_kv_heads=cfg.n_kv_heads // world, d_ff=cfg.d_ff // world)
     return model.eval()
 
 

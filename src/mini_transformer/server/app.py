@@ -6,9 +6,12 @@
     GET  /v1/models            the one model served
     POST /v1/completions       text, texts or token ids; streamed (SSE) or not
     POST /v1/chat/completions  messages through the chat template; streamed (SSE) or not
-    GET  /v1/engine/state      queues, block tables and the pool (JSON; ?stream=true for SSE)
+    GET  /v1/engine/state      queues, block tables and the pool (JSON; ?stream=true for SSE, a stream that
+                               runs until the client leaves, so it is kept out of the OpenAPI schema)
+    POST /tokenize, /detokenize, GET /tokenizer_info   the checkpoint's tokenizer (vLLM's shapes; tokenize.py)
 
-Every /v1 route needs `Authorization: Bearer KEY` when the server has an api key.
+Every /v1 and tokenizer route needs `Authorization: Bearer KEY` when the server has an api key. The
+OpenAPI schema at /openapi.json documents every response (schema.py).
 """
 
 from __future__ import annotations
@@ -22,19 +25,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import InvalidRequest
 from . import protocol as P
 from .engine_loop import EngineLoop
-from .generation import ClientGone, Generation
+from .errors import install_error_handlers
+from .generation import ClientGone, Generation, Options
+from .logprobs import CompletionLogprobs, chat_logprobs
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from .schema import METRICS_CONTENT, describe, install_openapi
 from .structured import check_structured
 from .text import TextCodec
+from .tokenize import add_tokenizer_routes
 
 STATIC = Path(__file__).parent / "static"
 STATE_STREAM_INTERVAL_S = 0.25
@@ -72,7 +76,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     app = FastAPI(title="mini-transformer", lifespan=lifespan)
     app.state.ctx = ctx
-    _install_error_handlers(app, ctx)
+    install_error_handlers(app, ctx.metrics)
+    install_openapi(app, ctx)
 
     async def require_key(request: Request) -> None:
         if ctx.api_key is None:
@@ -87,7 +92,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     async def page():
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
-    @app.get("/health")
+    @app.get("/health", **describe("health"))
     async def health():
         if ctx.engine_loop.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
@@ -95,49 +100,64 @@ def create_app(ctx: ServerContext) -> FastAPI:
             return JSONResponse({"status": "engine thread not running"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", **describe("metrics"))
     async def metrics():
-        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(ctx.metrics.render(), media_type=METRICS_CONTENT)
 
-    @app.get("/v1/models", dependencies=[Depends(require_key)])
+    @app.get("/v1/models", dependencies=[Depends(require_key)], **describe("models"))
     async def models():
         return P.models_response(ctx.model_name, ctx.max_model_len)
 
-    @app.post("/v1/completions", dependencies=[Depends(require_key)])
+    @app.post("/v1/completions", dependencies=[Depends(require_key)], **describe("completions"))
     async def completions(body: CompletionRequest, request: Request):
         _check_common(ctx, body)
-        for name, unsupported in (("echo", body.echo), ("logprobs", body.logprobs is not None),
-                                  ("suffix", body.suffix is not None)):
-            if unsupported:
-                raise ErrorResponse(400, f"{name} is not supported by this server", param=name)
         prompts = _completion_prompts(ctx, body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
+        score_only = max_tokens == 0  # lm-eval's loglikelihood: the prompt's logprobs, nothing generated
+        if score_only and not body.echo:
+            raise ErrorResponse(400, "max_tokens=0 needs echo=true (it returns the prompt and generates nothing)",
+                                param="max_tokens")
+        prompt_logprobs = body.logprobs if body.echo else None
         structured = check_structured(ctx.engine_loop.engine, body)
-        params = [[body.sampling_params(max_tokens, j, structured) for j in range(body.n)] for _ in prompts]
+        params = [[body.sampling_params(max(max_tokens, 1), j, ctx.vocab_size, logprobs=body.logprobs,
+                                        prompt_logprobs=prompt_logprobs, structured=structured)
+                   for j in range(body.n)] for _ in prompts]
+        _check_capacity(ctx, len(prompts) * body.n)
         for i, prompt in enumerate(prompts):
             _check_with_engine(ctx, prompt, params[i][0], "prompt" if i == 0 else f"prompt[{i}]")
-        gen = Generation(ctx.engine_loop, ctx.codec, prompts, params, body.stop_strings())
+        options = Options(tuple(body.stop_strings()), echo=body.echo, score_only=score_only,
+                          logprobs=body.logprobs is not None, include_stop=body.include_stop_str_in_output,
+                          min_tokens=body.min_tokens)
+        gen = Generation(ctx.engine_loop, ctx.codec, prompts, params, options)
         return await _respond(gen, body, request, ctx, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)], **describe("chat"))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_common(ctx, body)
-        if body.logprobs:
-            raise ErrorResponse(400, "logprobs is not supported by this server", param="logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ErrorResponse(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = ctx.codec.encode(ctx.codec.render_chat(messages, body.add_generation_prompt), "messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens == 0:
+            raise ErrorResponse(400, "max_tokens must be at least 1 for chat completions", param="max_tokens")
         if max_tokens is None:  # OpenAI's default: as much as the context leaves
             max_tokens = max(1, min(ctx.max_model_len, ctx.pool_tokens) - len(prompt))
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
         structured = check_structured(ctx.engine_loop.engine, body)
-        params = [[body.sampling_params(max_tokens, j, structured) for j in range(body.n)]]
+        params = [[body.sampling_params(max_tokens, j, ctx.vocab_size, logprobs=logprobs, structured=structured)
+                   for j in range(body.n)]]
+        _check_capacity(ctx, body.n)
         _check_with_engine(ctx, prompt, params[0][0], "messages")
-        gen = Generation(ctx.engine_loop, ctx.codec, [prompt], params, body.stop_strings())
+        options = Options(tuple(body.stop_strings()), logprobs=body.logprobs,
+                          include_stop=body.include_stop_str_in_output, min_tokens=body.min_tokens)
+        gen = Generation(ctx.engine_loop, ctx.codec, [prompt], params, options)
         return await _respond(gen, body, request, ctx, chat=True)
 
-    @app.get("/v1/engine/state", dependencies=[Depends(require_key)])
-    async def engine_state(request: Request, stream: bool = False):
-        if not stream:
+    @app.get("/v1/engine/state", dependencies=[Depends(require_key)], **describe("state"))
+    async def engine_state(request: Request):
+        # ?stream=true is read here, not declared: a stream that never ends stays out of the schema
+        if request.query_params.get("stream", "false").lower() not in ("true", "1"):
             return ctx.engine_loop.state()
 
         async def events():
@@ -147,41 +167,25 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    add_tokenizer_routes(app, ctx, require_key)
     return app
 
 
-def _install_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
-    def reply(err: ErrorResponse) -> JSONResponse:
-        ctx.metrics.rejected.labels(str(err.status)).inc()
-        return JSONResponse(err.body(), status_code=err.status)
-
-    @app.exception_handler(ErrorResponse)
-    async def on_error(request, err: ErrorResponse):
-        return reply(err)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid(request, err: RequestValidationError):
-        first = err.errors()[0] if err.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message, param = f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}", None
-        elif not loc:  # the body as a whole: not a JSON object (or sent without a JSON content type)
-            message = f"the body must be a JSON object (Content-Type: application/json): {message}"
-        elif param:
-            message = f"{param}: {message} (got {first.get('input')!r})"
-        return reply(ErrorResponse(400, message, param=param))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http(request, err: StarletteHTTPException):
-        return reply(ErrorResponse(err.status_code, str(err.detail)))
-
-
 def _check_common(ctx: ServerContext, body) -> None:
-    if body.model != ctx.model_name:
-        raise ErrorResponse(400, f"model {body.model!r} does not exist; this server serves {ctx.model_name!r}",
+    if body.model != ctx.model_name:  # 404, as OpenAI and vLLM answer (the client raises NotFoundError)
+        raise ErrorResponse(404, f"model {body.model!r} does not exist; this server serves {ctx.model_name!r}",
                             param="model", code="model_not_found")
+    body.check_supported()
+
+
+def _check_capacity(ctx: ServerContext, choices: int) -> None:
+    """A request with more choices than the server ever holds in flight could never be admitted: 400, not
+    a 429 that a client would retry for nothing."""
+    capacity = ctx.engine_loop.capacity
+    if choices > capacity:
+        raise ErrorResponse(400, f"this request has {choices} choices (prompts x n) but the server holds at most "
+                                 f"{capacity} in flight (--max-num-seqs + --max-waiting); send fewer at a time",
+                            param="n")
 
 
 def _check_with_engine(ctx: ServerContext, prompt: list[int], params, param: str) -> None:
@@ -225,11 +229,20 @@ async def _respond(gen: Generation, body, request: Request, ctx: ServerContext, 
             return Response(status_code=499)  # nobody is listening; nginx's code for it
         finally:
             gen.close()
+        use = P.usage(gen.prompt_tokens, gen.completion_tokens)
+        logprobs = [_logprobs_json(ctx, gen, c.tokens, chat, CompletionLogprobs(ctx.codec.token_text))
+                    for c in choices]
         build = P.chat_response if chat else P.completion_response
-        return build(rid, ctx.model_name, choices, P.usage(gen.prompt_tokens, gen.completion_tokens))
-    return ClosingStreamingResponse(_stream(gen, body, rid, ctx.model_name, chat), on_close=gen.close,
+        return build(rid, ctx.model_name, [(c.out, c.finish_reason) for c in choices], logprobs, use)
+    return ClosingStreamingResponse(_stream(gen, body, rid, ctx, chat), on_close=gen.close,
                                     media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _logprobs_json(ctx: ServerContext, gen: Generation, tokens, chat: bool, formatter: CompletionLogprobs):
+    if not gen.options.logprobs:
+        return None
+    return chat_logprobs(tokens, ctx.codec.token_text) if chat else formatter.part(tokens)
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -248,26 +261,29 @@ class ClosingStreamingResponse(StreamingResponse):
             self.on_close()
 
 
-async def _stream(gen: Generation, body, rid: str, model: str, chat: bool):
-    """The SSE body: chunks as choices advance, a finish chunk per choice, usage if asked, [DONE]."""
-    created, with_usage = P.now(), body.include_usage
+async def _stream(gen: Generation, body, rid: str, ctx: ServerContext, chat: bool):
+    """The SSE body: chunks as choices advance (each with the logprobs of its tokens when asked for), a
+    finish chunk per choice, usage if asked, [DONE]."""
+    created, with_usage, model = P.now(), body.include_usage, ctx.model_name
     obj = "chat.completion.chunk" if chat else "text_completion"
+    formatters = [CompletionLogprobs(ctx.codec.token_text) for _ in gen.choices]  # text_offset runs per choice
 
-    def chunk(index: int, piece: str | None, finish: str | None, role: bool = False) -> str:
+    def chunk(index: int, piece: str | None, finish: str | None, tokens=(), role: bool = False) -> str:
+        logprobs = _logprobs_json(ctx, gen, list(tokens), chat, formatters[index]) if tokens else None
         if not chat:
-            return sse(P.completion_chunk(rid, model, created, index, piece or "", finish, with_usage))
+            return sse(P.completion_chunk(rid, model, created, index, piece or "", logprobs, finish, with_usage))
         delta = {"role": "assistant", "content": ""} if role else ({"content": piece} if piece else {})
-        return sse(P.chat_chunk(rid, model, created, index, delta, finish, with_usage))
+        return sse(P.chat_chunk(rid, model, created, index, delta, logprobs, finish, with_usage))
 
     try:
         if chat:  # OpenAI opens each chat choice with a chunk that only names the role
             for index in range(len(gen.choices)):
                 yield chunk(index, None, None, role=True)
-        async for index, piece, finish in gen.events():
-            if piece:
-                yield chunk(index, piece, None)
-            if finish is not None:
-                yield chunk(index, None, finish)
+        async for event in gen.events():
+            if event.text or event.tokens:
+                yield chunk(event.index, event.text, None, event.tokens)
+            if event.finish_reason is not None:
+                yield chunk(event.index, None, event.finish_reason)
         if with_usage:
             yield sse(P.usage_chunk(rid, obj, model, created, P.usage(gen.prompt_tokens, gen.completion_tokens)))
     except ErrorResponse as err:  # the headers are gone already: the error travels as an event

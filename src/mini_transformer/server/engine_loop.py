@@ -5,13 +5,14 @@ from an inbox, runs `engine.step()`, and hands each request's new token ids to t
 queue (`loop.call_soon_threadsafe`). While nothing is in flight it sleeps on the inbox. Requests from
 all clients meet in the same engine steps: that is continuous batching seen from the server.
 
-    HTTP handler --submit()--> inbox --thread--> engine.add_request / step / abort
+    HTTP handler --submit()--> inbox --thread--> engine.add_checked_request / step / abort
     HTTP handler <--asyncio.Queue-- Accepted | StepOutput | Failed <--thread--
 
-Door checks happen in the HTTP layer before `submit`; what is left to fail here is what only the engine
-knows (it raises on add_request: the handler answers 400) or an engine crash, or any other error in a
-loop turn (every request in flight and in the inbox fails with 500 and the loop goes on). Should the
-thread end anyway, `alive` turns False: /health answers 503 and waiting requests notice it.
+Door checks happen in the HTTP layer before `submit` (the engine's own `check_request`), so the thread
+adds each request with `add_checked_request` and does not check it again. What is left to fail here is
+an engine crash, or any other error in a loop turn (every request in flight and in the inbox fails with
+500 and the loop goes on). Should the thread end anyway, `alive` turns False: /health answers 503 and
+waiting requests notice it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .state import engine_state
 STATE_INTERVAL_S = 0.1  # the engine state snapshot is rebuilt at most this often while busy
 RATE_WINDOW_S = 2.0  # tokens/s is measured over this trailing window
 ERROR_PAUSE_S = 0.05  # after an unexpected error: a fault that repeats every turn must not spin a core
+RETRY_AFTER_S = 1  # the Retry-After of a 429, in seconds: in-flight requests free their places quickly
 
 
 @dataclass
@@ -45,6 +47,13 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    logprobs: tuple = ()  # the engine's TokenLogprob per new token, when the request asked for logprobs
+    prompt_logprobs: tuple = ()  # TokenLogprob (None for the first) per prompt token, when asked for
+
+    def then(self, later: StepOutput) -> StepOutput:
+        """This output followed by a later one of the same choice, as one."""
+        return StepOutput(self.new_token_ids + later.new_token_ids, later.finished, later.finish_reason,
+                          self.logprobs + later.logprobs, self.prompt_logprobs + later.prompt_logprobs)
 
 
 @dataclass
@@ -132,7 +141,8 @@ class EngineLoop:
         if self.in_flight + n > self.capacity:
             raise ErrorResponse(
                 429, f"too many requests waiting: {self.in_flight} in flight, room for {self.capacity} "
-                     "(--max-num-seqs running + --max-waiting queued); retry later", code="too_many_requests")
+                     "(--max-num-seqs running + --max-waiting queued); retry later", code="too_many_requests",
+                headers={"Retry-After": str(RETRY_AFTER_S)})
         self.in_flight += n
 
     def release(self, n: int) -> None:
@@ -194,11 +204,8 @@ class EngineLoop:
 
     def _handle(self, kind: str, handle: RequestHandle | None) -> None:
         if kind == "add" and not handle.cancelled:
-            try:
-                handle.engine_id = self.engine.add_request(handle.prompt_ids, handle.params)
-            except (ValueError, TypeError) as err:
-                handle.push(Failed(ErrorResponse(400, str(err))))
-                return
+            # checked by the HTTP handler (engine.check_request, app.py): not checked a second time here
+            handle.engine_id = self.engine.add_checked_request(handle.prompt_ids, handle.params)
             self._active[handle.engine_id] = handle
             self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
             handle.push(Accepted())
@@ -224,7 +231,8 @@ class EngineLoop:
             if out.finished:
                 del self._active[out.request_id]
                 self._observe_finished(handle, out.finish_reason, now)
-            batch.append((handle, StepOutput(new_ids, out.finished, out.finish_reason)))
+            batch.append((handle, StepOutput(new_ids, out.finished, out.finish_reason, tuple(out.logprobs or ()),
+                                             tuple(out.prompt_logprobs or ()))))
         if batch:  # every handle lives on the server's one event loop
             batch[0][0].loop.call_soon_threadsafe(_put_all, batch)
         self.metrics.generation_tokens.inc(produced)
@@ -272,7 +280,7 @@ class EngineLoop:
         now = time.monotonic()
         if not force and now - self._state_time < STATE_INTERVAL_S:
             return
-        snapshot = self.engine.snapshot()  # frozen, and consistent: taken under the engine's lock
+        snapshot = self.engine.snapshot()  # frozen, and consistent: taken here, on the engine's own thread
         m = self.metrics
         m.running.set(snapshot.num_running)
         m.waiting.set(snapshot.num_waiting)

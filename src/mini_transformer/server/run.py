@@ -10,8 +10,10 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+from .._checks import non_negative_int
 from ..checkpoint import resolve_checkpoint_dir
 from ..model.transformer import TransformerLM
+from ..tokenizer import check_vocab_size
 from .app import ServerContext, create_app
 from .engine_loop import EngineLoop
 from .metrics import ServerMetrics
@@ -30,15 +32,14 @@ def build_context(checkpoint: str | Path, *, model_name: str | None = None, api_
     (redis://HOST:PORT) and `host_kv_bytes` add KV store tiers behind the pool (engine/kv_connector.py)."""
     from ..engine import LLMEngine
 
-    for name, value in (("max_waiting", max_waiting), ("max_num_seqs", max_num_seqs)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name}={value!r} must be a non-negative integer")
+    non_negative_int("max_waiting", max_waiting)  # block_size, max_num_seqs, ...: LLMEngine's door checks them
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty; give a key, or none to serve without one")
     checkpoint = resolve_checkpoint_dir(checkpoint)  # `best` is found even in the middle of a save
     codec = TextCodec(checkpoint)
     if model is None:  # verifies the checkpoint's manifest first
         model = TransformerLM.from_pretrained(checkpoint, device=device)
+    check_vocab_size(codec.tokenizer, model.config.vocab_size, checkpoint)  # refused here, not mid-generation
     connector = kv_connector(kv_store, host_kv_bytes)
     # the engine adds EOS to each request's stop ids itself (SamplingParams.stops), unless ignore_eos
     engine = LLMEngine(model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,

@@ -33,6 +33,7 @@ def engine_state(snapshot: EngineSnapshot, handles: dict) -> dict:
     stats = snapshot.stats
     return {
         "block_size": snapshot.block_size,
+        "attn_backend": snapshot.attn_backend,
         "num_blocks": snapshot.num_blocks,
         "blocks_in_use": snapshot.blocks_in_use,
         "shared_blocks": snapshot.shared_blocks,

@@ -50,6 +50,7 @@ class TextCodec:
         self.eos_token = _token_text(config.get("eos_token")) or ""
         self.eos_token_id = self.tokenizer.eos_token_id  # found by load_tokenizer, as the CLI finds it
         self._template = None
+        self._token_texts: dict[int, str] = {}
 
     def encode(self, text: str, param: str = "prompt") -> list[int]:
         try:
@@ -62,6 +63,13 @@ class TextCodec:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone (logprobs name tokens this way); remembered, as the same ids recur."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self._template is None:
@@ -89,15 +97,19 @@ class IncrementalText:
     The tokenizer's IncrementalDecoder turns ids into text (it decodes only a trailing window, and text
     ending in an unfinished character waits for the next token). With stop strings, the tail that could
     still become a stop string is held back; after the first token with which the text contains a stop
-    string, the text is cut just before the earliest one (the stop string itself is not returned, as in
-    OpenAI's API).
+    string, the text is cut just before the earliest one (OpenAI's rule), or just after it with
+    `include_stop` (vLLM's include_stop_str_in_output). A stop string counts only if it ends in the text of
+    a token at or past the first `min_tokens` (vLLM's rule: no stop before min_tokens tokens).
+    `tokens_used` counts the ids that made the text: after a stop string, later ids are not part of it.
     """
 
-    def __init__(self, codec: TextCodec, stop: list[str]):
+    def __init__(self, codec: TextCodec, stop: list[str], include_stop: bool = False, min_tokens: int = 0):
         self.codec, self.stop = codec, stop
+        self.include_stop, self.min_tokens = include_stop, min_tokens
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.decoder = IncrementalDecoder(codec)
         self.ids = self.decoder.ids  # the choice's token ids so far
+        self.tokens_used = 0
         self.sent = 0  # characters of the text already handed out
         self.out = ""  # the text handed out so far (the choice's text when it ends)
         self.stopped = False  # a stop string was found: nothing more to send
@@ -111,24 +123,38 @@ class IncrementalText:
             return ""
         if self.stop:
             for token in new_ids:
-                if self.decoder.add([token]) and self._stop_hit() is not None:
-                    return self._cut()
-            if final and self.decoder.add([], final=True) and self._stop_hit() is not None:
-                return self._cut()  # the last, unfinished character flushed at the end
+                before = len(self.decoder.text)
+                self.tokens_used += 1
+                if self.decoder.add([token]) and self._cut_at(before) is not None:
+                    return self._cut(before)
+            before = len(self.decoder.text)
+            if final and self.decoder.add([], final=True) and self._cut_at(before) is not None:
+                return self._cut(before)  # the last, unfinished character flushed at the end
         else:
+            self.tokens_used += len(new_ids)
             self.decoder.add(new_ids, final=final)
         text = self.decoder.text
         return self._emit(text, len(text) if final else len(text) - self.hold)
 
-    def _stop_hit(self) -> int | None:
-        """Where the earliest stop string starts in the text, looking only where a new one can be."""
+    def _cut_at(self, before: int) -> int | None:
+        """Where the text ends if a stop string ends past character `before` (the text of the newest
+        token): just before the earliest such stop string, or just after it with include_stop."""
+        if self.tokens_used < self.min_tokens:
+            return None
         text = self.decoder.text
-        hits = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = []
+        for s in self.stop:
+            i = text.find(s, max(0, before - len(s) + 1))
+            if i >= 0:
+                hits.append((i, i + len(s)))
+        if not hits:
+            return None
+        start, end = min(hits)
+        return end if self.include_stop else start
 
-    def _cut(self) -> str:
+    def _cut(self, before: int) -> str:
         self.stopped = True
-        return self._emit(self.decoder.text, self._stop_hit())
+        return self._emit(self.decoder.text, self._cut_at(before))
 
     def _emit(self, text: str, end: int) -> str:
         piece = text[self.sent:end] if end > self.sent else ""

@@ -2,28 +2,31 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from ..config import DictIO, _check_choice, _check_positive_int
+from .._checks import boolean, choice, non_negative_int, number, positive_int, string
+from ..config import DictIO
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]  # auto: bf16/fp16 autocast on CUDA, fp32 elsewhere
 TokenizerKind = Literal["char", "bpe"]
 PRECISIONS, TOKENIZERS = get_args(Precision), get_args(TokenizerKind)
+# Tokens per micro-batch when batch_size is left out: nanoGPT's CPU "baby" run cuts 12 sequences of 64. Keeping
+# the tokens (not the sequences) fixed lets a longer context train in about the same time per step.
+BATCH_TOKENS = 768
 
 
 @dataclass
 class TrainConfig(DictIO):
     """Everything about HOW to train (the model's shape lives in TransformerConfig).
 
-    Defaults reproduce nanoGPT's CPU "baby" Shakespeare run.
+    Defaults follow nanoGPT's CPU "baby" Shakespeare run (lr, schedule, 2000 steps, 768 tokens per step).
     """
 
     data: str | None = None  # shakespeare | pydoc | a file path; None = shakespeare, else pydoc
     tokenizer: TokenizerKind = "char"
     bpe_vocab_size: int = 1024  # only for tokenizer="bpe"
-    batch_size: int = 12  # sequences per micro-batch, per rank
+    batch_size: int | None = None  # sequences per micro-batch, per rank; None = BATCH_TOKENS // block_size
     block_size: int | None = None  # tokens per sequence; None = the model's max_seq_len
     grad_accum_steps: int = 1  # micro-batches summed into one update
     max_steps: int = 2000  # optimizer updates
@@ -49,41 +52,37 @@ class TrainConfig(DictIO):
     fsdp: bool = False  # under torchrun: FSDP2 shards weights, grads and AdamW state (parallel/fsdp.py), not DDP
 
     def __post_init__(self) -> None:
-        _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
-        _check_choice("precision", self.precision, PRECISIONS)
-        for name in ("bpe_vocab_size", "batch_size", "grad_accum_steps", "max_steps", "eval_interval",
+        choice("tokenizer", self.tokenizer, TOKENIZERS)
+        choice("precision", self.precision, PRECISIONS)
+        for name in ("bpe_vocab_size", "grad_accum_steps", "max_steps", "eval_interval",
                      "eval_batches", "sample_tokens"):
-            _check_positive_int(name, getattr(self, name))
-        for name in ("block_size", "lr_decay_steps"):
+            positive_int(name, getattr(self, name))
+        for name in ("batch_size", "block_size", "lr_decay_steps"):
             if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
-        for name in ("num_samples", "seed", "warmup_steps"):
-            value = getattr(self, name)
-            if name == "warmup_steps" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}={value!r} must be a non-negative integer")
+                positive_int(name, getattr(self, name))
+        for name in ("num_samples", "seed"):
+            non_negative_int(name, getattr(self, name))
+        if self.warmup_steps is not None:
+            non_negative_int("warmup_steps", self.warmup_steps)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
-                raise ValueError(f"{name}={value!r} must be a non-negative finite number")
+            number(name, getattr(self, name), low=0.0, expected="a non-negative finite number")
         if self.lr <= 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 < min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         for name in ("beta1", "beta2"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
-                raise ValueError(f"{name}={value!r} must be in [0, 1)")
+            number(name, getattr(self, name), low=0.0, high=1.0, high_open=True)
         if self.warmup_steps is not None and self.warmup_steps >= self.decay_steps:
             raise ValueError(
                 f"warmup_steps={self.warmup_steps} must be smaller than lr_decay_steps (or max_steps)="
                 f"{self.decay_steps}"
             )
         for name in ("compile", "fused_optimizer", "progress", "fsdp"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
+            boolean(name, getattr(self, name))
         for name in ("device", "out_dir"):
-            if not isinstance(getattr(self, name), str):
-                raise TypeError(f"{name}={getattr(self, name)!r} must be a string")
+            string(name, getattr(self, name))
+
+    def sequences_per_batch(self, block_size: int) -> int:
+        """batch_size, or as many sequences of `block_size` as fill BATCH_TOKENS (3 at 256, 12 at 64)."""
+        return self.batch_size if self.batch_size is not None else max(1, BATCH_TOKENS // block_size)
 
     @property
     def decay_steps(self) -> int:

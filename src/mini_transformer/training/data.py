@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .._checks import path_like, probability
+
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 SHAKESPEARE_FILE = "tinyshakespeare.txt"
@@ -85,8 +87,7 @@ def load_text(source: str | os.PathLike | None = None) -> tuple[str, str]:
         except DatasetUnavailable as err:
             print(f"{err}; training on the offline 'pydoc' corpus instead", file=sys.stderr)
             return pydoc_text(), "pydoc"
-    if not isinstance(source, str | os.PathLike):
-        raise TypeError(f"data={source!r} must be a dataset name or a file path")
+    path_like("data", source, "a dataset name or a file path")
     if source == "shakespeare":
         return shakespeare_text(), "shakespeare"
     if source == "pydoc":
@@ -101,7 +102,7 @@ def load_text(source: str | os.PathLike | None = None) -> tuple[str, str]:
                          f"{err.start}); convert it to UTF-8 first") from None
     if not text:
         raise ValueError(f"data={str(source)!r} is an empty file")
-    return text, str(path)
+    return text, str(path.resolve())  # the name a resumed run reads it by, from any working directory
 
 
 def split_tokens(ids: torch.Tensor, block_size: int, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +110,7 @@ def split_tokens(ids: torch.Tensor, block_size: int, val_fraction: float = 0.1) 
     tokens: one window of inputs plus the target of its last position."""
     if ids.dim() != 1:
         raise ValueError(f"ids must be a 1-D token stream, got shape {tuple(ids.shape)}")
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction={val_fraction} must be in (0, 1)")
+    probability("val_fraction", val_fraction, zero=False, one=False)
     n_train = int(len(ids) * (1.0 - val_fraction))
     train, val = ids[:n_train], ids[n_train:]
     need = block_size + 1

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .._checks import path_like
 from ..checkpoint import (
     CHECKPOINT_NAMES,
     CONFIG_NAME,
@@ -99,14 +100,12 @@ def find_checkpoint(path: str | Path) -> Path:
 
     If a kill fell between the two renames of `save_checkpoint`, the previous checkpoint is still
     there under its `.old` name and is used."""
-    if not isinstance(path, str | os.PathLike):
-        raise TypeError(f"resume={path!r} must be a run or checkpoint directory path (str or os.PathLike)")
-    path = Path(path)
-    for candidate in (path, path / "last", path / "best"):
-        candidate = resolve_checkpoint_dir(candidate)
-        if any((candidate / name).is_file() for name in (TRAIN_STATE_FILE, MANIFEST_NAME, WEIGHTS_NAME)):
-            verify_checkpoint(candidate)
-            return candidate
+    path_like("resume", path, "a run or checkpoint directory path")
+    # last, then best; silent, because a damaged checkpoint's error must stay the one line on stderr
+    candidate = resolve_checkpoint_dir(path, run_checkpoints=CHECKPOINT_NAMES[::-1], say=False)
+    if any((candidate / name).is_file() for name in (TRAIN_STATE_FILE, MANIFEST_NAME, WEIGHTS_NAME)):
+        verify_checkpoint(candidate)
+        return candidate
     raise ValueError(
         f"resume={str(path)!r} holds no training checkpoint; expected a directory with {TRAIN_STATE_FILE}, "
         f"{WEIGHTS_NAME} and {CONFIG_NAME} (or a run directory containing last/)"

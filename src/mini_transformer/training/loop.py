@@ -15,16 +15,17 @@ import contextlib
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from .._checks import instance
 from ..config import TransformerConfig
 from ..model.transformer import TransformerLM
-from ..tokenizer import build_tokenizer, load_tokenizer
+from ..tokenizer import build_tokenizer, check_vocab_size, load_tokenizer
 from .config import TrainConfig
 from .data import get_batch, load_text, split_tokens
 from .io import (
@@ -89,7 +90,7 @@ def estimate_loss(model, splits: dict, cfg: TrainConfig, block_size: int, device
         generator = torch.Generator().manual_seed(cfg.seed + 1)
         losses = []
         for _ in range(cfg.eval_batches):
-            x, y = get_batch(data, cfg.batch_size, block_size, generator)
+            x, y = get_batch(data, cfg.sequences_per_batch(block_size), block_size, generator)
             with amp():
                 losses.append(model(x.to(device), y.to(device), check=False)[1].detach().float())
         out[name] = torch.stack(losses).mean().item()
@@ -122,12 +123,15 @@ def _prepare(cfg: TrainConfig, model_cfg: TransformerConfig | None, ckpt: Path |
         _check_resumable(cfg, state, ckpt)
         tokenizer = load_tokenizer(ckpt)
         model = TransformerLM.from_pretrained(ckpt, **(model_cfg or {}))
-        text, _ = load_text(state["data_name"] if cfg.data is None else cfg.data)
+        check_vocab_size(tokenizer, model.config.vocab_size, ckpt)
+        # the saved run's own data unless another is given: data_name is an absolute path (found from any
+        # working directory), where the saved --data may be relative to the first run's
+        same_data = cfg.data is None or cfg.data == state["train_config"].get("data")
+        text, _ = load_text(state["data_name"] if same_data else cfg.data)
         return text, tokenizer, model, state
     if model_cfg is None:
         model_cfg = TransformerConfig.from_preset("shakespeare-char")
-    if not isinstance(model_cfg, TransformerConfig):
-        raise TypeError(f"model_cfg must be a TransformerConfig, got {type(model_cfg).__name__}")
+    instance("model_cfg", model_cfg, TransformerConfig)
     text, data_name = load_text(cfg.data)
     tokenizer = build_tokenizer(cfg.tokenizer, text, cfg.bpe_vocab_size if cfg.tokenizer == "bpe" else None)
     model = TransformerLM(model_cfg.replace(vocab_size=tokenizer.vocab_size))
@@ -139,8 +143,7 @@ def train(cfg: TrainConfig, model_cfg: TransformerConfig | dict | None = None, *
     """Train a model and return it with its loss history. `model_cfg` is a TransformerConfig for a new
     run (vocab_size is taken from the tokenizer) or, with `resume`, a dict of config overrides.
     A new run refuses an out_dir that already holds one unless `overwrite=True`."""
-    if not isinstance(cfg, TrainConfig):
-        raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
+    instance("cfg", cfg, TrainConfig)
     if cfg.fsdp and (int(os.environ.get("WORLD_SIZE", "1")) < 2 or cfg.compile):
         raise ValueError("fsdp=True needs torchrun with at least 2 processes (WORLD_SIZE >= 2) and no compile")
     rank, world_size, device = setup_distributed(cfg)
@@ -257,9 +260,11 @@ def _start(cfg: TrainConfig, model_cfg, ckpt: Path | None, rank: int, world_size
     block_size = cfg.block_size or model.config.max_seq_len
     if block_size > model.config.max_seq_len:
         raise ValueError(f"block_size={block_size} exceeds the model's max_seq_len={model.config.max_seq_len}")
+    cfg = replace(cfg, batch_size=cfg.sequences_per_batch(block_size))  # saved as a number: resume keeps it
     ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
     train_data, val_data = split_tokens(ids, block_size)
     model.to(device)
+    model.check_backend(training=True)  # once: the training steps call the model with check=False
     if cfg.fsdp:  # before the optimizer, which must see (and keep state for) the shards only
         from ..parallel.fsdp import shard_for_training
 

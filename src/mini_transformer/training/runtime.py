@@ -9,6 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from .._checks import string
 from .config import TrainConfig
 
 __all__ = ["autocast_dtype", "leave_process_group", "resolve_device", "setup_distributed"]
@@ -16,8 +17,7 @@ __all__ = ["autocast_dtype", "leave_process_group", "resolve_device", "setup_dis
 
 def resolve_device(name: str) -> torch.device:
     """A torch.device for `name` (auto | cpu | cuda | cuda:N | mps) that this machine really has."""
-    if not isinstance(name, str):
-        raise TypeError(f"device={name!r} must be a string")
+    string("device", name)
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")

@@ -1,0 +1,280 @@
+"""The OpenAPI schema tells the truth: what each route answers, with which status and content type.
+
+FastAPI documents a route's 200 from its return annotation (none here: the routes return plain dicts or
+streams, for speed) and adds a 422 that this server never sends. So each route gets `describe(name)`:
+its 200 body as the pydantic models below, an SSE or Prometheus content type where that is what comes,
+and OpenAI's error object for each error status it can answer. `install_openapi` then drops the 422s
+and writes the limits only the loaded model knows (max_model_len, vocab_size) into the request schemas,
+so a schema-driven client (schemathesis, a generated SDK) sees the same bounds the engine enforces.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict
+
+METRICS_CONTENT = CONTENT_TYPE_LATEST  # Prometheus' text exposition format
+SSE_CONTENT = "text/event-stream"
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error object."""
+
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]  # null: the first prompt token (echo)
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    """A completion; a stream (stream=true, text/event-stream) sends chunks of the same shape, with
+    "usage": null on each but the last (when stream_options.include_usage)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    """A chat completion; a stream sends chat.completion.chunk objects with `delta` instead of `message`."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: str
+
+
+class EngineState(BaseModel):
+    """Queues, block tables and the pool (see state.py); the live page reads it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    block_size: int
+    num_blocks: int
+    blocks_in_use: int
+    running: list[dict[str, Any]]
+    waiting: list[dict[str, Any]]
+    pool: dict[str, list[int]]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    tokenizer_class: str
+    vocab_size: int
+    model_max_length: int
+    eos_token: str | None
+    bos_token: str | None
+    chat_template: str | None
+
+
+_ERRORS = {400: "a parameter is missing, malformed or outside its range (`param` names it)",
+           401: "the server has an API key and the request's Authorization header is missing or wrong",
+           404: "no such model (`model_not_found`)",
+           429: "too many requests in flight; retry after the Retry-After header's seconds",
+           500: "the engine failed on this request; the server goes on",
+           503: "the server is shutting down, or its engine thread is gone"}
+_ROUTES: dict[str, tuple[type[BaseModel], str | None, tuple[int, ...]]] = {
+    # name: (200 body, another 200 content type, error statuses)
+    "health": (Health, None, ()),
+    "metrics": (None, METRICS_CONTENT, ()),
+    "models": (ModelList, None, (401,)),
+    "completions": (CompletionResponse, SSE_CONTENT, (400, 401, 404, 429, 500, 503)),
+    "chat": (ChatCompletionResponse, SSE_CONTENT, (400, 401, 404, 429, 500, 503)),
+    "state": (EngineState, None, (401,)),
+    "tokenize": (TokenizeResponse, None, (400, 401, 404)),
+    "detokenize": (DetokenizeResponse, None, (400, 401, 404)),
+    "tokenizer_info": (TokenizerInfo, None, (401,)),
+}
+
+
+def describe(name: str) -> dict:
+    """The route decorator's documentation arguments for route `name`."""
+    model, other_content, errors = _ROUTES[name]
+    ok: dict = {"description": "OK"}
+    if model is not None:
+        ok["model"] = model
+    if other_content is not None:
+        ok["content"] = {other_content: {"schema": {"type": "string"}}}
+    responses: dict = {200: ok}
+    if name == "health":
+        responses[503] = {"model": Health, "description": "shutting down, or the engine thread is gone"}
+    for status in errors:
+        responses[status] = {"model": ErrorBody, "description": _ERRORS[status]}
+    if 429 in errors:
+        responses[429]["headers"] = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}
+    kwargs: dict = {"responses": responses}
+    if model is None:  # the only 200 content is the other type (not application/json)
+        kwargs["response_class"] = _media_response(other_content)
+    return kwargs
+
+
+def _media_response(media_type: str):
+    from fastapi.responses import Response
+
+    return type("MediaResponse", (Response,), {"media_type": media_type})
+
+
+# properties whose upper bound is the loaded model's: (schema, property) -> what bounds it
+_MODEL_BOUNDS = {("CompletionRequest", "max_tokens"): "len", ("CompletionRequest", "min_tokens"): "len",
+                 ("ChatCompletionRequest", "max_tokens"): "len", ("ChatCompletionRequest", "min_tokens"): "len",
+                 ("ChatCompletionRequest", "max_completion_tokens"): "len",
+                 ("CompletionRequest", "prompt"): "id", ("CompletionRequest", "stop_token_ids"): "id",
+                 ("ChatCompletionRequest", "stop_token_ids"): "id", ("DetokenizeRequest", "tokens"): "id"}
+
+
+# text the tokenizer must encode (a character vocabulary knows only its characters)
+_TEXTS = (("CompletionRequest", "prompt"), ("ChatMessage", "content"), ("TextPart", "text"), ("TokenizeText", "prompt"))
+
+
+def install_openapi(app: FastAPI, ctx) -> None:
+    """Replace app.openapi: FastAPI's schema, less the 422s, with the model's bounds written in."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            components = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+            for model in ("CompletionRequest", "ChatCompletionRequest"):  # the one model served
+                components[model]["properties"]["model"] = {"type": "string", "enum": [ctx.model_name]}
+            for model in ("TokenizeText", "TokenizeChat", "DetokenizeRequest"):
+                components[model]["properties"]["model"] = {
+                    "anyOf": [{"type": "string", "enum": [ctx.model_name]}, {"type": "null"}]}
+            limits = {"len": ctx.max_model_len, "id": ctx.vocab_size - 1}
+            for (model, prop), kind in _MODEL_BOUNDS.items():
+                if prop in components.get(model, {}).get("properties", {}):
+                    _bound_integers(components[model]["properties"][prop], limits[kind])
+            pattern = _vocabulary_pattern(ctx.codec.tokenizer)
+            if pattern is not None:  # a character vocabulary: a text may hold its characters only
+                for model, prop in _TEXTS:
+                    if prop in components.get(model, {}).get("properties", {}):
+                        _pattern_strings(components[model]["properties"][prop], pattern)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _bound_integers(node, maximum: int) -> None:
+    """Set `maximum` on every integer schema inside `node` (through anyOf / items)."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            node["maximum"] = min(maximum, node.get("maximum", maximum))
+        for value in node.values():
+            _bound_integers(value, maximum)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_integers(value, maximum)
+
+
+def _vocabulary_pattern(tokenizer) -> str | None:
+    """For a character vocabulary, the regular expression of its texts: ^[chars]*$ (every character as a
+    \\uXXXX escape, which both JSON Schema's ECMA-262 and Python's re read); None for any other tokenizer,
+    or a vocabulary with a character outside the Basic Multilingual Plane (no \\uXXXX for it)."""
+    chars = getattr(tokenizer, "chars", None)
+    if tokenizer.kind != "char" or chars is None or any(ord(c) > 0xFFFF for c in chars):
+        return None
+    return "^[" + "".join(f"\\u{ord(c):04x}" for c in chars) + "]*$"
+
+
+def _pattern_strings(node, pattern: str) -> None:
+    """Set `pattern` on every string schema inside `node` that is not an enum."""
+    if isinstance(node, dict):
+        if node.get("type") == "string" and "enum" not in node and "const" not in node:
+            node["pattern"] = pattern
+        for value in node.values():
+            _pattern_strings(value, pattern)
+    elif isinstance(node, list):
+        for value in node:
+            _pattern_strings(value, pattern)
