@@ -253,6 +253,16 @@ def test_a_vocabulary_without_eos_ends_when_the_grammar_is_complete():
         assert reason == "stop" and tok.decode(output) in ("yes", "no", "maybe so")
 
 
+def test_a_constraint_the_vocabulary_cannot_begin_is_refused():
+    tok = CharTokenizer(list("abc "))  # no "{": no JSON object can begin
+    cfg = TransformerConfig(vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_layer=2, d_ff=64, max_seq_len=64)
+    engine = LLMEngine(TransformerLM(cfg), block_size=4, num_blocks=64, tokenizer=tok)
+    with pytest.raises(InvalidRequest, match="no token of this vocabulary can begin it") as err:
+        engine.add_request([0], SamplingParams(structured=StructuredOutput(json_object=True)))
+    assert err.value.argument == "json_object"
+    engine.add_request([0], SamplingParams(structured=StructuredOutput(regex="(ab)+")))  # this one it can spell
+
+
 def test_grammars_compile_once_per_text(model, tokenizer):
     engine = make_engine(model, tokenizer)
     same = [StructuredOutput(json_schema=SCHEMA), StructuredOutput(json_schema=json.dumps(SCHEMA))]

@@ -107,12 +107,17 @@ class StructuredOutputManager:
 
     def compile(self, structured: StructuredOutput):
         """The CompiledGrammar for a constraint, from the cache or compiled now; GrammarError naming the
-        field (json_schema, regex, grammar, ...) when xgrammar cannot compile it."""
+        field (json_schema, regex, grammar, ...) when xgrammar cannot compile it, or when no token of this
+        vocabulary can even begin it (a character vocabulary without "{" and a JSON schema, say)."""
         with self._lock:
             if structured in self.compiled:
                 self.compiled.move_to_end(structured)
                 return self.compiled[structured]
         compiled = self._compile(structured)
+        if not self._can_start(compiled):
+            kind = structured.kind
+            raise GrammarError(kind, f"{kind}: no token of this vocabulary can begin it (the vocabulary lacks the "
+                                     "characters it needs; a byte-level BPE vocabulary spells any text)")
         with self._lock:
             self.compiled[structured] = compiled
             self.num_compiled += 1
@@ -135,6 +140,17 @@ class StructuredOutputManager:
         except RuntimeError as err:  # xgrammar's parse errors: "[time] file.cc:line: message"
             reason = str(err).strip().splitlines()[-1].split(": ", 1)[-1]
             raise GrammarError(kind, f"{kind} does not compile: {reason}") from None
+
+    def _can_start(self, compiled) -> bool:
+        """Does the first step's mask allow any token? (Checked once per grammar, at compile time.)"""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.info.vocab_size)
+        xgr.GrammarMatcher(compiled, terminate_without_stop_token=self.ends_without_stop).fill_next_token_bitmask(
+            bitmask, 0)
+        logits = torch.zeros(1, self.info.vocab_size)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.info.vocab_size)
+        return bool(torch.isfinite(logits).any())
 
     def matcher(self, structured: StructuredOutput):
         """A fresh GrammarMatcher for one sequence (it has accepted nothing yet)."""
