@@ -137,7 +137,7 @@ class StructuredOutputManager:
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(structured.choice))
             return compiler.compile_grammar(structured.grammar)
-        except RuntimeError as err:  # xgrammar's parse errors: "[time] file.cc:line: message"
+        except (RuntimeError, ValueError, TypeError) as err:  # xgrammar's parse errors: "[time] file.cc:line: message"
             reason = str(err).strip().splitlines()[-1].split(": ", 1)[-1]
             raise GrammarError(kind, f"{kind} does not compile: {reason}") from None
 
