@@ -18,6 +18,9 @@ on vs off, and time to first token of one more request with the prefix cached (w
     python benchmarks/bench_serving.py --plot pool.png              # the block pool over time
     python benchmarks/bench_serving.py --sampled                    # + sampled vs greedy engine, profiled
 
+--structured adds the structured-output workload of bench_structured.py (issue 27): half the requests
+JSON-schema constrained vs none, the mask's cost per step and whether the forward hides it.
+
 --sampled adds a sampled workload (issue 21): the same requests through the engine greedy and sampled
 (temperature 0.8, top-p 0.95, every other request with repetition penalty 1.1), alternating greedy,
 sampled, greedy, sampled; the table gives the sampled/greedy tokens/s ratio, then a torch.profiler table
@@ -35,6 +38,8 @@ import time
 
 import torch
 from _common import add_common_args, add_serving_args, apply_common_args, time_call, time_interleaved
+from bench_structured import add_arguments as add_structured_arguments  # a sibling file: benchmarks/ is on sys.path
+from bench_structured import structured_workload
 from tqdm import tqdm
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
@@ -54,6 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     add_common_args(p, threads=1, plot="draw the block pool over time to this PNG")  # 1 thread: a busy machine
     p.add_argument("--sampled", action="store_true", help="also: sampled vs greedy engine tokens/s, and a profile")
+    p.add_argument("--structured", action="store_true",
+                   help="also: half the requests JSON-schema constrained vs none (bench_structured.py)")
+    add_structured_arguments(p)
     p.add_argument("--vocab-size", type=int, help="the model's vocabulary (default: the llama-style preset's 256)")
     p.add_argument("--rounds", type=int, default=2, help="--sampled: greedy/sampled runs, alternating")
     p.add_argument("--hf-peer", action="store_true",
@@ -394,6 +402,8 @@ def main(argv=None):
         main_record = main_workload(model, args, counter)
         if args.sampled:
             sampled_workload(model, args)
+        if args.structured:
+            structured_workload(args)
         prefix_record = prefix_workload(model, args)
     if args.plot:
         plot(args.plot, main_record, prefix_record, args)

@@ -260,6 +260,50 @@ def moe_dispatch(save) -> None:
     save(fig, "09-moe-dispatch.png")
 
 
+
+# ------------------------------------------------------------------------------------------ 12
+def structured_step(save) -> None:
+    """One engine step with a constrained row: the real mask of choice ("yes", "no", "yesterday") after
+    "yes", from the project's StructuredOutputManager (xgrammar) over a toy vocabulary."""
+    import xgrammar as xgr
+
+    from mini_transformer.engine.structured import StructuredOutputManager
+    from mini_transformer.inference.structured import StructuredOutput
+
+    vocab = ["<eos>", "y", "e", "s", "n", "o", "ye", "yes", "no!", "ter", "t", "day", "ab", "x"]
+    matcher = StructuredOutputManager(vocab, len(vocab), 0).matcher(StructuredOutput(choice=("yes", "no", "yesterday")))
+    for token in ("ye", "s"):
+        matcher.accept_token(vocab.index(token))
+    bitmask = xgr.allocate_token_bitmask(1, len(vocab))
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    word = bitmask[0, 0].item()
+    allowed = [bool((word >> t) & 1) for t in range(len(vocab))]
+
+    fig, ax = plt.subplots(figsize=(11, 4.6))
+    box(ax, 0, 3.6, 5.6, 0.55, "前向：模型算出这一步 M 行的 logits（GPU 上异步；CPU 上在主线程）", fc="#dde8f5")
+    box(ax, 0, 2.85, 2.6, 0.55, "工作线程：xgrammar 填受约束行的\nbitmask（只依赖已接受的 token）",
+        fc=YELLOW, fontsize=8)
+    box(ax, 5.9, 3.2, 1.9, 0.95, "采样器：惩罚项\n→ 掩码（-inf）\n→ argmax / 过滤、抽样", fc=GREEN, color="white",
+        fontsize=8.5)
+    box(ax, 8.1, 3.2, 1.9, 0.95, "读回 token\n→ matcher.accept_token\n→ 语法结束就停", fc=BLUE, color="white",
+        fontsize=8.5)
+    arrow(ax, (5.6, 3.87), (5.9, 3.7))
+    arrow(ax, (2.6, 3.12), (5.9, 3.4))
+    arrow(ax, (7.8, 3.67), (8.1, 3.67))
+    ax.text(0, 2.45, "同一时间轴：填掩码与前向重叠；采样器只等没被前向盖住的那一部分", fontsize=8.5)
+    ax.text(0, 1.75, "choice = (\"yes\", \"no\", \"yesterday\")，已生成 \"yes\"（token \"ye\" + \"s\"）："
+            f"下一个 token 的掩码（真实的 bitmask 字 = {word}）", fontsize=9)
+    for t, (token, ok) in enumerate(zip(vocab, allowed, strict=True)):
+        box(ax, t * 0.72, 0.75, 0.66, 0.6, token, fc=GREEN if ok else GREY, fontsize=8,
+            color="white" if ok else "black")
+        ax.text(t * 0.72 + 0.33, 0.5, f"bit {t}", ha="center", fontsize=6.5)
+    ax.text(0, 0.05, "绿色 = 允许：\"t\"、\"ter\" 通向 yesterday；<eos> 允许，因为 \"yes\" 已是完整选项。"
+            "\"day\" 也只含选项里的字母，但 \"yesday\" 不是任何选项的前缀，被禁", fontsize=8.5)
+    ax.set(xlim=(-0.2, 10.2), ylim=(0, 4.3))
+    ax.set_axis_off()
+    ax.set_title("结构化输出的一步：语法 → 每步一个 token 掩码，在采样前施加", fontsize=10)
+    save(fig, "12-structured-step.png")
+
 # ------------------------------------------------------------------------------------------ 10
 def tensor_parallel(save) -> None:
     fig, ax = plt.subplots(figsize=(11, 3.8))
@@ -334,3 +378,4 @@ def draw_all(save, roofline_numbers, step_cost) -> None:
     tensor_parallel(save)
     pipeline_bubble(save)
     pd_flow(save)
+    structured_step(save)

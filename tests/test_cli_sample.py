@@ -1,6 +1,8 @@
 """`mini-transformer sample`: our char checkpoint and a Hugging Face GPT-2 directory with tokenizer.json."""
 
 import io
+import json
+import re
 
 import pytest
 import torch
@@ -116,3 +118,50 @@ def test_sampling_past_the_context_slides_the_window(char_checkpoint, capsys):
     assert len(out) == len("fox") + 100 + 1
     expected = generate_long(model, torch.tensor([tokenizer.encode("fox")]), 100)
     assert out == "fox" + tokenizer.decode(expected[0].tolist()) + "\n"
+
+
+def constrained_reference(checkpoint, prompt: str, structured, max_tokens: int) -> str:
+    """The engine given the same tokenizer, greedy: the text the CLI must print after the prompt."""
+    from mini_transformer import SamplingParams, TransformerLM
+    from mini_transformer.engine import LLMEngine
+
+    path, _, tokenizer = checkpoint
+    engine = LLMEngine(TransformerLM.from_pretrained(path), eos_token_id=tokenizer.eos_token_id, tokenizer=tokenizer)
+    [ids] = engine.generate([tokenizer.encode(prompt)], SamplingParams(max_tokens=max_tokens, structured=structured),
+                            use_tqdm=False)
+    return tokenizer.decode(ids[:-1] if ids[-1] == tokenizer.eos_token_id else ids)
+
+
+@pytest.mark.parametrize("option, structured, check", [
+    (["--choice", "yes,no,maybe"], dict(choice=("yes", "no", "maybe")), lambda text: text in ("yes", "no", "maybe")),
+    (["--regex", r"[a-c]{2,4}-\d{2}"], dict(regex=r"[a-c]{2,4}-\d{2}"),
+     lambda text: re.fullmatch(r"[a-c]{2,4}-\d{2}", text) is not None),
+    (["--json-schema", "SCHEMA"], dict(json_schema={"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                                    "required": ["ok"]}),
+     lambda text: isinstance(json.loads(text)["ok"], bool)),
+])
+def test_structured_output_options(hf_checkpoint, tmp_path, capsys, option, structured, check):
+    from mini_transformer.inference.structured import StructuredOutput
+
+    if option[1] == "SCHEMA":
+        (tmp_path / "schema.json").write_text(json.dumps(structured["json_schema"]))
+        option = [option[0], str(tmp_path / "schema.json")]
+    prompt = "the fox"
+    code = main(["sample", "--checkpoint", str(hf_checkpoint[0]), "--prompt", prompt, "--max-new-tokens", "40",
+                 "--temperature", "0", *option])
+    assert code == 0
+    text = constrained_reference(hf_checkpoint, prompt, StructuredOutput(**structured), 40)
+    assert capsys.readouterr().out == prompt + text + "\n\n"
+    assert check(text)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--regex", "(ab"], "regex"),
+    (["--choice", "a,,b"], "choice"),
+    (["--json-schema", "/no/such/file.json"], "--json-schema"),
+    (["--choice", "a,b", "--prompt-lookup"], "speculative decoding is refused"),
+])
+def test_structured_output_options_refused(hf_checkpoint, capsys, extra, message):
+    assert main(["sample", "--checkpoint", str(hf_checkpoint[0]), "--prompt", "fox", *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err

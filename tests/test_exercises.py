@@ -12,6 +12,7 @@ from exercise_solutions.broken import BROKEN
 from exercise_solutions.broken_engine import BROKEN_ENGINE
 from exercise_solutions.broken_kv_store import BROKEN_KV_STORE
 from exercise_solutions.broken_stages import BROKEN_STAGES
+from exercise_solutions.broken_structured import BROKEN_STRUCTURED
 
 ROOT = Path(__file__).resolve().parents[1]
 EXERCISES = ROOT / "exercises"
@@ -65,8 +66,8 @@ def test_grader_fails_on_the_blank(name, tmp_path):
             check(blank)
 
 
-# apart: 11-13 (docs/07, 08, 10), 14-15 (docs/06), 16 (docs/11)
-BROKEN = {**BROKEN, **BROKEN_STAGES, **BROKEN_ENGINE, **BROKEN_KV_STORE}
+# apart: 11-13 (docs/07, 08, 10), 14-15 (docs/06), 16 (docs/11), 17 (docs/12)
+BROKEN = {**BROKEN, **BROKEN_STAGES, **BROKEN_ENGINE, **BROKEN_KV_STORE, **BROKEN_STRUCTURED}
 CASES = [(name, label) for name, variants in BROKEN.items() for label in variants]
 
 

@@ -179,6 +179,9 @@ BAD_REQUESTS = [  # (path, body or raw bytes, expected param)
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
+    # supported (server/structured.py), but this character vocabulary has no "{" to begin a JSON object
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "messages"),

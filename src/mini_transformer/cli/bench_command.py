@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-BENCHMARKS = ("decode", "attention", "train", "serving", "moe", "server")
+BENCHMARKS = ("decode", "attention", "train", "serving", "moe", "server", "structured")
 
 
 def _add_bench(sub) -> None:

@@ -37,6 +37,10 @@ def _add_sample(sub) -> None:
                    help="under torchrun: split heads, FFN and vocabulary over the ranks (rank 0 prints)")
     p.add_argument("--pipeline-parallel", type=int, metavar="N",
                    help="under torchrun with N ranks: each keeps 1/N of the layers and their KV cache (rank 0 prints)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="structured output: the text must match this JSON schema")
+    shape.add_argument("--regex", help="structured output: the text must match this regular expression")
+    shape.add_argument("--choice", help="structured output: one of these comma-separated strings (a,b,c)")
     p.set_defaults(func=_run_sample)
 
 
@@ -77,6 +81,7 @@ def _run_sample(args) -> None:
     params = SamplingParams(  # the door of every other sampling flag
         max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+        structured=_structured_output(args),
     )
     device = resolve_device(args.device)
     checkpoint = resolve_checkpoint_dir(args.checkpoint)  # `best` is found even mid-save
@@ -102,7 +107,12 @@ def _run_sample(args) -> None:
             from ..parallel.pp_inference import shard_for_command_line
 
             out = shard_for_command_line(model, device, args.pipeline_parallel)
-    if len(prompts) > 1:
+    if len(prompts) > 1 or params.structured is not None:  # the grammar mask lives in the engine's sampler
+        if params.structured is not None and (args.compile or args.draft_checkpoint or args.prompt_lookup
+                                              or args.no_cache or parallel):
+            raise ValueError("--json-schema/--regex/--choice run through the serving engine: leave out --compile, "
+                             "--draft-checkpoint, --prompt-lookup (speculative decoding is refused with a "
+                             "constraint), --no-cache, --tensor-parallel and --pipeline-parallel")
         _sample_with_engine(model, tokenizer, prompts, params)
         return
     prompt_ids = tokenizer.encode(prompts[0])
@@ -129,6 +139,31 @@ def _load_sample_model(args, checkpoint, device):
     if args.draft_checkpoint and args.prompt_lookup:
         raise ValueError("--draft-checkpoint and --prompt-lookup are two drafters; choose one")
     return load_model(checkpoint, device, args)
+
+
+def _structured_output(args):
+    """--json-schema FILE, --regex R or --choice a,b,c as a StructuredOutput (None without any)."""
+    import json
+
+    from ..inference.structured import StructuredOutput
+
+    try:
+        if args.json_schema:
+            try:
+                text = Path(args.json_schema).read_text(encoding="utf-8")
+            except OSError as err:
+                raise ValueError(f"--json-schema {args.json_schema!r} cannot be read: {err.strerror}") from None
+            try:
+                return StructuredOutput(json_schema=json.loads(text))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"--json-schema {args.json_schema!r} is not valid JSON ({err})") from None
+        if args.regex is not None:
+            return StructuredOutput(regex=args.regex)
+        if args.choice is not None:
+            return StructuredOutput(choice=args.choice.split(","))
+    except TypeError as err:
+        raise ValueError(f"--json-schema/--regex/--choice: {err}") from None
+    return None
 
 
 def _read_prompts(args) -> list[str]:
@@ -160,7 +195,10 @@ def _sample_with_engine(model, tokenizer, prompts: list[str], params) -> None:
         seed = None if params.seed is None else params.seed + i
         ids.append(prompt_ids)
         per_prompt.append(dataclasses.replace(params, max_tokens=room, seed=seed))
-    engine = LLMEngine(model, eos_token_id=tokenizer.eos_token_id, max_num_seqs=max(1, len(prompts)))
-    for prompt, completion in zip(prompts, engine.generate(ids, per_prompt), strict=True):
+    engine = LLMEngine(model, eos_token_id=tokenizer.eos_token_id, max_num_seqs=max(1, len(prompts)),
+                       tokenizer=tokenizer)
+    for prompt, completion in zip(prompts, engine.generate(ids, per_prompt, use_tqdm=len(prompts) > 1), strict=True):
+        if params.structured is not None and completion and completion[-1] == tokenizer.eos_token_id:
+            completion = completion[:-1]  # where the grammar ended, not a part of the text
         sys.stdout.write(prompt + tokenizer.decode(completion) + "\n\n")
     sys.stdout.flush()

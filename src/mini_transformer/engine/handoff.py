@@ -93,6 +93,8 @@ def check_handoff(engine, handoff: KVHandoff, params: SamplingParams) -> tuple[l
         raise ValueError(f"kv_handoff.first_token={first} already ends the request (a stop token, or "
                          "max_tokens=1)")
     _check_generator_state(handoff.generator_state, params, runner.device)
+    if params.structured is not None and not engine.structured_output.matcher(params.structured).accept_token(first):
+        raise ValueError(f"kv_handoff.first_token={first} does not fit params.structured ({params.structured.kind})")
     if blocks_for(len(prompt), engine.block_size) > engine.block_manager.num_free_blocks:
         raise RuntimeError(f"the engine has no room for a {len(prompt)}-token prompt now; give it more blocks")
     return prompt, stops

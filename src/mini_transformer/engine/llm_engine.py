@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from collections.abc import Sequence as Seq
 
 import torch
@@ -36,6 +37,7 @@ from .model_runner import ModelRunner, bytes_per_block
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
 from .snapshot import EngineSnapshot, EngineStats
+from .structured import GrammarError, StructuredOutputManager
 
 
 def default_kv_cache_bytes(device: torch.device) -> int:
@@ -57,14 +59,17 @@ class InvalidRequest(ValueError):
 
 class LLMEngine:
     def __init__(self, model: TransformerLM, config: EngineConfig | None = None, *,
-                 eos_token_id: int | None = None, kv_connector: KVConnector | None = None, **options):
+                 eos_token_id: int | None = None, kv_connector: KVConnector | None = None, tokenizer=None,
+                 **options):
         """`config` (an EngineConfig), or its fields as keywords (block_size=16, num_blocks=..., ...).
         `num_blocks` KV blocks of `block_size` tokens; or as many as fit in `kv_cache_bytes`; or, with
         neither, a share of memory (capped at what max_num_seqs full-length sequences could use).
         `eos_token_id` ends a request unless its SamplingParams say ignore_eos. The model is put in eval
         mode (the engine only runs inference) and is used as it is: its device and dtype are the pool's.
         `kv_connector` (engine/kv_connector.py) keeps full blocks in tiers behind the pool (host memory,
-        Redis) and loads them back for any engine serving the same weights."""
+        Redis) and loads them back for any engine serving the same weights.
+        `tokenizer` (a CharTokenizer or byte-level BPETokenizer) is needed only by requests with
+        SamplingParams.structured: the grammar's token masks are built from its vocabulary."""
         instance("model", model, TransformerLM)
         if config is not None and options:
             raise ValueError(f"give config or its fields as keywords, not both (got {sorted(options)})")
@@ -96,6 +101,9 @@ class LLMEngine:
         self.config, self.engine_config = cfg, config
         self.block_size, self.num_blocks = block_size, num_blocks
         self.eos_token_id = eos_token_id
+        self.tokenizer = tokenizer
+        self._structured: StructuredOutputManager | None = None  # built at the first constrained request
+        self._structured_lock = threading.Lock()  # check_request may build it from a server's HTTP thread
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks, block_size, config.max_num_seqs, config.enforce_eager)
         self.kv_connector = kv_connector
@@ -132,6 +140,8 @@ class LLMEngine:
         elif not isinstance(request_id, str) or request_id in self.requests:
             raise ValueError(f"request_id={request_id!r} must be a string not used by an unfinished request")
         seq = Sequence(request_id, prompt, params, stops, arrival=next(self._arrivals), device=self.runner.device)
+        if params.structured is not None:
+            seq.grammar = self.structured_output.matcher(params.structured)
         self.requests[request_id] = seq
         return seq
 
@@ -163,7 +173,24 @@ class LLMEngine:
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > cfg.vocab_size:
                 raise InvalidRequest(name, f"{name}={getattr(params, name)} exceeds the vocabulary ({cfg.vocab_size})")
+        if params.structured is not None:
+            try:
+                self.structured_output.compile(params.structured)  # cached: add_request's matcher reuses it
+            except GrammarError as err:
+                raise InvalidRequest(err.argument, str(err)) from None
         return prompt, params.stops(self.eos_token_id)
+
+    @property
+    def structured_output(self) -> StructuredOutputManager:
+        """The grammar compiler over this engine's vocabulary (xgrammar is imported on first use). Safe to
+        call from a server's HTTP thread (check_request does): the manager locks its own cache."""
+        if self.tokenizer is None:
+            raise GrammarError("structured", "structured output needs the engine's tokenizer: "
+                                             "LLMEngine(model, tokenizer=...)")
+        with self._structured_lock:
+            if self._structured is None:
+                self._structured = StructuredOutputManager(self.tokenizer, self.config.vocab_size, self.eos_token_id)
+        return self._structured
 
     def _prompt_list(self, prompt_token_ids) -> list[int]:
         try:

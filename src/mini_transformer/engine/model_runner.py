@@ -155,6 +155,7 @@ class ModelRunner:
         prompt = PromptLogprobs.of(scheduled)  # prompt rows get the head only when a request asks for them
         idx, positions, rows, meta, samples = self.prepare(scheduled, prompt.rows)
         samplers = [seq for (seq, _), sampled in zip(scheduled, samples, strict=True) if sampled]
+        self.sampler.grammar.prepare(samplers)  # constrained rows: their masks fill on a worker during the forward
         logits = self.forward(idx, positions, rows, meta, graphable=not prompt.rows)  # (M + R, V)
         M = len(samplers)
         out = self.sampler.sample(logits[:M], samplers) if samplers else None

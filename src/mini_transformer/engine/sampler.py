@@ -6,6 +6,7 @@ chain runs on the whole batch with per-row parameter tensors (a row that does no
 that leaves it exactly unchanged: temperature 1, top-k V, top-p off, min-p 0, penalties 1 / 0):
 
     logit_bias -> min_tokens -> repetition -> frequency/presence      every row (greedy ones too)
+    grammar mask (-inf where the grammar forbids)                    constrained rows (engine/structured.py)
     argmax                                                           greedy rows
     temperature -> top-k -> top-p -> min-p -> draw                   sampled rows
 
@@ -26,6 +27,7 @@ import torch
 
 from ..inference.sampling import SamplingParams, sorted_descending, top_p_cut
 from .sequence import Sequence, TokenLogprob
+from .structured import GrammarMasks
 
 _TOP_P_OFF = 2.0  # above any cumulative mass: keeps every token (top_p 1.0 could drop a tail by rounding)
 
@@ -188,6 +190,7 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size, self.device = vocab_size, device
         self.counts = TokenCounts(vocab_size, device)
+        self.grammar = GrammarMasks(vocab_size, device)  # structured output; idle while no row is constrained
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
         """(M, V) logits of the sequences that pick a token this step -> their ids, on the device."""
@@ -201,6 +204,8 @@ class Sampler:
             values = to_device([row_values(seq.params, V) for seq in seqs], torch.float32, device)  # (M, 7)
             slots = [self.counts.row(seq) if seq.params.penalised else 0 for seq in seqs]
             x = penalise(raw, seqs, values, self.counts, slots)
+        if any(seq.grammar is not None for seq in seqs):  # after the penalties, before argmax and the filters
+            x = self.grammar.apply(raw.clone() if x is raw else x, seqs)  # raw stays raw for the logprobs
         ids = x.argmax(dim=-1) if len(sampled) < len(seqs) else None  # (M,): greedy rows keep theirs
         if sampled:
             every_row = len(sampled) == len(seqs)

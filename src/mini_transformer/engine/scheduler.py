@@ -98,7 +98,7 @@ class Scheduler:
             seq.num_computed_tokens += num_new
             if token is None:
                 continue
-            seq.append_token(token)
+            added = seq.append_token(token)  # False: the grammar refused it (the request ends, "error")
             if seq.is_finished:
                 self.finish(seq)
                 finished.append(seq)
@@ -107,8 +107,8 @@ class Scheduler:
             prompt_logprobs = None
             if seq.needs_prompt_logprobs:  # complete by now: the first token needed the whole prompt computed
                 prompt_logprobs, seq.prompt_logprobs_sent = tuple(seq.prompt_logprobs), True
-            outputs.append(RequestOutput(seq.request_id, [token], seq.is_finished, seq.finish_reason, logprobs,
-                                         prompt_logprobs))
+            outputs.append(RequestOutput(seq.request_id, [token] if added else [], seq.is_finished,
+                                         seq.finish_reason, logprobs, prompt_logprobs))
         return outputs, finished
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

@@ -38,8 +38,9 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request: the token(s) it added, and whether it is done.
-    finish_reason: None while running, "stop" (a stop or EOS token), "length" (max_tokens), "abort", or
-    "error" (the step's forward pass raised; see LLMEngine.step).
+    finish_reason: None while running, "stop" (a stop or EOS token, or the end of its grammar), "length"
+    (max_tokens; a constrained output cut there is incomplete), "abort", or "error" (the step's forward
+    pass raised, see LLMEngine.step; or a grammar left no token to choose).
     logprobs: one TokenLogprob per new token when SamplingParams.logprobs is set, else None.
     prompt_logprobs: one per prompt token (the first is None: nothing predicts it) when
     SamplingParams.prompt_logprobs is set, delivered once, with the request's first output; else None."""
@@ -73,6 +74,7 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             None if params.prompt_logprobs is None else [None] * len(self.prompt_token_ids))
         self.prompt_logprobs_sent = False  # they go out once, with the first output
+        self.grammar = None  # an xgrammar GrammarMatcher when params.structured is set (engine/structured.py)
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -108,13 +110,20 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
-        """Add a sampled token and finish the sequence if it is a stop token or the last one allowed."""
+    def append_token(self, token_id: int) -> bool:
+        """Add a sampled token and finish the sequence if it is a stop token, ends its grammar, or is the last
+        one allowed. A constrained sequence's matcher advances here, once per token; a token its grammar
+        refuses (possible only when the mask left no token at all) is not added, and the sequence ends with
+        finish_reason "error". Returns whether the token was added."""
+        if self.grammar is not None and not self.grammar.accept_token(token_id):
+            self.finish("error")
+            return False
         self.output_token_ids.append(token_id)
-        if token_id in self.stop_token_ids:
+        if token_id in self.stop_token_ids or (self.grammar is not None and self.grammar.is_terminated()):
             self.finish("stop")
         elif len(self.output_token_ids) >= self.params.max_tokens:
             self.finish("length")
+        return True
 
     def finish(self, reason: str) -> None:
         self.status = SequenceStatus.FINISHED

@@ -79,6 +79,10 @@ def _check_generate_args(model, idx, params, attention_mask, eos_token_id, strea
         raise ValueError(f"logit_bias names token {params.logit_bias[-1][0]}, outside [0, vocab_size={cfg.vocab_size})")
     if params.logprobs is not None or params.prompt_logprobs is not None:
         raise ValueError("logprobs and prompt_logprobs are returned by the engine (LLMEngine), not by generate()")
+    if params.structured is not None:
+        raise ValueError("structured output (a grammar mask per step) runs in the engine (LLMEngine), not in "
+                         "generate(); speculative decoding with a constraint is refused (drafts are not checked "
+                         "against the mask)")
     if stream is not None and not callable(stream):
         raise TypeError(f"stream must be a callable taking the (B,) tokens of each step, got {type(stream).__name__}")
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .._checks import boolean, integer, non_negative_int, number, positive_int, probability, token_ids
+from .structured import StructuredOutput
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 
@@ -49,6 +50,9 @@ class SamplingParams:
     any penalty, bias or temperature -- vLLM's default):
       logprobs         N: each new token's logprob and the N most likely alternatives (0: the token's only)
       prompt_logprobs  N: the same for every prompt token but the first
+    Structured output (engine only): `structured`, a StructuredOutput (JSON schema, JSON object, regex,
+    choice or EBNF grammar); each step masks the tokens the grammar cannot take next. The grammar decides
+    where the output ends, so it does not combine with ignore_eos or min_tokens.
     """
 
     temperature: float = 0.0
@@ -66,6 +70,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         number("temperature", self.temperature, low=0.0, expected="a finite number >= 0 (0 means greedy)")
@@ -93,6 +98,15 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise TypeError(f"structured={self.structured!r} must be a StructuredOutput or None")
+            if self.ignore_eos:
+                raise ValueError("ignore_eos=True cannot be combined with structured output: the grammar decides "
+                                 "where the output ends")
+            if self.min_tokens:
+                raise ValueError(f"min_tokens={self.min_tokens} cannot be combined with structured output: the "
+                                 "grammar decides where the output ends")
 
     @property
     def greedy(self) -> bool:

@@ -135,6 +135,9 @@ def _check_speculative_args(target, idx, params, draft_model, k) -> None:
     if params.penalised or params.logit_bias or params.min_tokens:
         raise ValueError("speculative decoding does not take repetition_penalty, presence/frequency_penalty, "
                          "logit_bias or min_tokens (they change p at every draft)")
+    if params.structured is not None:
+        raise ValueError("speculative decoding with structured output is refused: the drafts are not checked "
+                         "against the grammar's token mask (run constrained requests through LLMEngine)")
     if isinstance(draft_model, str):
         if draft_model != PROMPT_LOOKUP:
             raise ValueError(f"draft_model={draft_model!r}: expected a TransformerLM or {PROMPT_LOOKUP!r}")

@@ -36,6 +36,7 @@ from .logprobs import CompletionLogprobs, chat_logprobs
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from .schema import METRICS_CONTENT, describe, install_openapi
+from .structured import check_structured
 from .text import TextCodec
 from .tokenize import add_tokenizer_routes
 
@@ -117,8 +118,10 @@ def create_app(ctx: ServerContext) -> FastAPI:
             raise ErrorResponse(400, "max_tokens=0 needs echo=true (it returns the prompt and generates nothing)",
                                 param="max_tokens")
         prompt_logprobs = body.logprobs if body.echo else None
+        structured = check_structured(ctx.engine_loop.engine, body)
         params = [[body.sampling_params(max(max_tokens, 1), j, ctx.vocab_size, logprobs=body.logprobs,
-                                        prompt_logprobs=prompt_logprobs) for j in range(body.n)] for _ in prompts]
+                                        prompt_logprobs=prompt_logprobs, structured=structured)
+                   for j in range(body.n)] for _ in prompts]
         _check_capacity(ctx, len(prompts) * body.n)
         for i, prompt in enumerate(prompts):
             _check_with_engine(ctx, prompt, params[i][0], "prompt" if i == 0 else f"prompt[{i}]")
@@ -141,7 +144,9 @@ def create_app(ctx: ServerContext) -> FastAPI:
         if max_tokens is None:  # OpenAI's default: as much as the context leaves
             max_tokens = max(1, min(ctx.max_model_len, ctx.pool_tokens) - len(prompt))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = [[body.sampling_params(max_tokens, j, ctx.vocab_size, logprobs=logprobs) for j in range(body.n)]]
+        structured = check_structured(ctx.engine_loop.engine, body)
+        params = [[body.sampling_params(max_tokens, j, ctx.vocab_size, logprobs=logprobs, structured=structured)
+                   for j in range(body.n)]]
         _check_capacity(ctx, body.n)
         _check_with_engine(ctx, prompt, params[0][0], "messages")
         options = Options(tuple(body.stop_strings()), logprobs=body.logprobs,

@@ -40,8 +40,7 @@ MAX_LOGPROBS = 20  # alternatives per token (vLLM's default max_logprobs; OpenAI
 SEED_RANGE = (-(2**63), 2**63 - 1024)
 # Known OpenAI / vLLM parameters this server cannot honour yet: sending one is a 400 naming it, never a
 # 200 that quietly ignored it. Other unknown fields are ignored (vLLM's default).
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
-               "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "structured_outputs",
                "audio", "modalities", "prediction", "suffix", "use_beam_search", "prompt_embeds")
 
 
@@ -95,6 +94,12 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # structured output (server/structured.py): OpenAI's response_format, vLLM's guided_* fields
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         """400 for a parameter we know and cannot honour (rather than a 200 that ignored it)."""
@@ -124,7 +129,7 @@ class _SamplingFields(BaseModel):
         return bias
 
     def sampling_params(self, max_tokens: int, choice: int, vocab_size: int, *, logprobs: int | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, structured=None) -> SamplingParams:
         """One choice's SamplingParams: choice j of a seeded request draws with seed + j, so the n
         choices differ from each other and each is reproducible. EOS is not among the stop ids here:
         the engine was given the tokenizer's EOS and adds it (unless ignore_eos)."""
@@ -137,7 +142,7 @@ class _SamplingFields(BaseModel):
                 logit_bias=self.token_bias(vocab_size), min_tokens=self.min_tokens, max_tokens=max_tokens,
                 stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                 seed=None if self.seed is None else self.seed + choice,
-                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured,
             )
         except (TypeError, ValueError) as err:  # a rule across fields (min_tokens <= max_tokens): name the field
             param = next((f for f in self.model_fields_set | {"max_tokens"} if str(err).startswith(f + "=")), None)

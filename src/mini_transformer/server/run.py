@@ -44,7 +44,7 @@ def build_context(checkpoint: str | Path, *, model_name: str | None = None, api_
     # the engine adds EOS to each request's stop ids itself (SamplingParams.stops), unless ignore_eos
     engine = LLMEngine(model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       eos_token_id=codec.eos_token_id, kv_connector=connector)
+                       eos_token_id=codec.eos_token_id, kv_connector=connector, tokenizer=codec.tokenizer)
     stats = engine.stats()
     metrics = ServerMetrics()
     return ServerContext(
