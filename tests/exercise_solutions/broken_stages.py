@@ -105,7 +105,7 @@ def _ex13(mlp=_tp_mlp, qkv=_qkv_rows):
     return types.SimpleNamespace(column_shard=_column_shard, row_shard=_row_shard, tp_mlp=mlp, qkv_shard_rows=qkv)
 
 
-# ------------------------------------------------------------------------------ exercise 16 (docs/10)
+# ------------------------------------------------------------------------------ exercise 18 (docs/10)
 def _gpipe_order(rank, ranks, microbatches):
     return [("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)]
 
@@ -158,7 +158,7 @@ def _in_flight(order):
     return peak
 
 
-def _ex16(one_f=_1f1b_order, bubble=_bubble, simulate=_simulate):
+def _ex18(one_f=_1f1b_order, bubble=_bubble, simulate=_simulate):
     return types.SimpleNamespace(gpipe_order=_gpipe_order, one_f_one_b_order=one_f, bubble_fraction=bubble,
                                  simulate=simulate, peak_in_flight=_in_flight)
 
@@ -183,10 +183,10 @@ BROKEN_STAGES = {
         "b2 added on every rank before the sum": _ex13(mlp=lambda *a: _tp_mlp(*a, bias_per_rank=True)),
         "W_qkv cut as one contiguous block of rows": _ex13(qkv=_qkv_rows_one_block),
     },
-    "ex16_pipeline_schedule": {
-        "1F1B warm-up of p - 1 forwards on every rank": _ex16(one_f=lambda r, p, m: _1f1b_order(r, p, m, False)),
-        "bubble over the work, (p - 1) / (v M)": _ex16(bubble=lambda p, m, v=1: _bubble(p, m, v, of_work=True)),
-        "a stage that does not wait for its neighbours": _ex16(
+    "ex18_pipeline_schedule": {
+        "1F1B warm-up of p - 1 forwards on every rank": _ex18(one_f=lambda r, p, m: _1f1b_order(r, p, m, False)),
+        "bubble over the work, (p - 1) / (v M)": _ex18(bubble=lambda p, m, v=1: _bubble(p, m, v, of_work=True)),
+        "a stage that does not wait for its neighbours": _ex18(
             simulate=lambda o, f=1.0, b=2.0: _simulate(o, f, b, wait_for_neighbours=False)),
     },
 }

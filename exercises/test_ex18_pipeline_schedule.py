@@ -1,4 +1,4 @@
-"""Grader for exercise 16: the orders against torch.distributed.pipelining's own schedule (its pipeline
+"""Grader for exercise 18: the orders against torch.distributed.pipelining's own schedule (its pipeline
 order, the "schedule IR" its visualizer draws), the bubble formula against fractions written out, and
 the simulation against the formula and against orders that deadlock."""
 
@@ -9,7 +9,7 @@ from fractions import Fraction
 import pytest
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-EXERCISE = "ex16_pipeline_schedule"
+EXERCISE = "ex18_pipeline_schedule"
 CASES = [(2, 2), (2, 5), (3, 3), (3, 6), (4, 4), (4, 7)]  # (ranks, microbatches), M >= p as 1F1B needs
 
 

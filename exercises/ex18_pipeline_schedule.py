@@ -1,8 +1,8 @@
-"""Exercise 16 (docs/10 §4): pipeline schedules by hand — who runs which microbatch when, and the bubble.
+"""Exercise 18 (docs/10 §4): pipeline schedules by hand — who runs which microbatch when, and the bubble.
 
 Fill in `gpipe_order`, `one_f_one_b_order`, `bubble_fraction`, `simulate` and `peak_in_flight`, then:
 
-    uv run pytest exercises/test_ex16_pipeline_schedule.py
+    uv run pytest exercises/test_ex18_pipeline_schedule.py
 
 p ranks each hold one stage (rank r = stage r); a batch is cut into M microbatches. An order is the list
 of what one rank computes, in sequence: ("F", m) = the forward of microbatch m, ("B", m) = its backward.
@@ -21,14 +21,14 @@ from __future__ import annotations
 def gpipe_order(rank: int, ranks: int, microbatches: int) -> list[tuple[str, int]]:
     """The GPipe order of one rank: [("F", 0), ..., ("F", M-1), ("B", 0), ..., ("B", M-1)]."""
     # TODO 1: all forwards, then all backwards (the same on every rank)
-    raise NotImplementedError("TODO: exercise 16, gpipe_order")
+    raise NotImplementedError("TODO: exercise 18, gpipe_order")
 
 
 def one_f_one_b_order(rank: int, ranks: int, microbatches: int) -> list[tuple[str, int]]:
     """The 1F1B order of one rank (see the module docstring)."""
     # TODO 2: warm-up forwards (p - 1 - rank of them, at most M), then one F and one B while forwards are
     #         left, then the remaining backwards in microbatch order
-    raise NotImplementedError("TODO: exercise 16, one_f_one_b_order")
+    raise NotImplementedError("TODO: exercise 18, one_f_one_b_order")
 
 
 def bubble_fraction(ranks: int, microbatches: int, stages_per_rank: int = 1) -> float:
@@ -36,7 +36,7 @@ def bubble_fraction(ranks: int, microbatches: int, stages_per_rank: int = 1) -> 
     the pipeline (p - 1 slots) against the whole span; with v stages per rank (interleaved) each slot is
     v times shorter."""
     # TODO 3: (p - 1) / (v M + p - 1)
-    raise NotImplementedError("TODO: exercise 16, bubble_fraction")
+    raise NotImplementedError("TODO: exercise 18, bubble_fraction")
 
 
 def simulate(orders: list[list[tuple[str, int]]], t_forward: float = 1.0, t_backward: float = 2.0) -> list[float]:
@@ -46,11 +46,11 @@ def simulate(orders: list[list[tuple[str, int]]], t_forward: float = 1.0, t_back
     orders wait on each other forever (a deadlock)."""
     # TODO 4: keep each action's end time; repeatedly run any rank's next action whose dependencies have
     #         ended (start = max(rank free, dependencies' ends)); no progress in a whole pass = deadlock
-    raise NotImplementedError("TODO: exercise 16, simulate")
+    raise NotImplementedError("TODO: exercise 18, simulate")
 
 
 def peak_in_flight(order: list[tuple[str, int]]) -> int:
     """The most microbatches whose forward has run on this rank and whose backward has not yet: how many
     microbatches of activations the rank holds at its worst moment."""
     # TODO 5: +1 at each F, -1 at each B, the maximum along the way
-    raise NotImplementedError("TODO: exercise 16, peak_in_flight")
+    raise NotImplementedError("TODO: exercise 18, peak_in_flight")
