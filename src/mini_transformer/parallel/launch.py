@@ -11,10 +11,12 @@ still running are named in a TimeoutError. Whatever happens, no process outlives
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -128,3 +130,27 @@ def _stop(procs) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+
+
+# ----------------------------------------------------------------- a command line under torchrun
+def join_command_line_group(model: torch.nn.Module, device: str | torch.device):
+    """For `sample` under torchrun (tensor or pipeline parallel): join the process group torchrun set
+    up (gloo on CPUs; nccl with one GPU per rank, and "cuda" then means this rank's GPU, so the model
+    moves there), leave it at exit. A test's launcher may have joined it already. Returns where this
+    rank prints: rank 0 to stdout, the others into a buffer nobody reads (every rank computes the same
+    tokens, one prints them)."""
+    backend = "gloo"
+    if torch.device(device).type == "cuda":
+        backend = "nccl"
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        model.to("cuda")
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+        atexit.register(_leave_group)
+    return sys.stdout if dist.get_rank() == 0 else io.StringIO()
+
+
+def _leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+

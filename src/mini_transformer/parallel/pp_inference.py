@@ -24,10 +24,7 @@ a serving system fills the pipeline with other requests' microbatches.
 
 from __future__ import annotations
 
-import atexit
-import io
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +33,7 @@ import torch.nn as nn
 
 from ..config import TransformerConfig
 from ..model.transformer import TransformerLM
+from .launch import join_command_line_group
 from .pp import split_layers
 
 
@@ -148,18 +146,6 @@ def shard_for_command_line(model: TransformerLM, device: str, stages: int):
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
         raise ValueError(f"--pipeline-parallel {stages!r} must be an integer >= 2 (the number of ranks)")
     check_command_line(model.config, stages)
-    backend = "gloo"
-    if torch.device(device).type == "cuda":  # one GPU per rank
-        backend = "nccl"
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        model.to("cuda")
-    if not dist.is_initialized():  # (a test's launcher may have joined the group already)
-        dist.init_process_group(backend)
-        atexit.register(_leave_group)
+    stream = join_command_line_group(model, device)
     shard_pipeline_parallel(model)
-    return sys.stdout if dist.get_rank() == 0 else io.StringIO()
-
-
-def _leave_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    return stream

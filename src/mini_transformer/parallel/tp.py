@@ -27,10 +27,7 @@ stream is d_model wide on every rank. The shard's sizes (local heads and FFN wid
 
 from __future__ import annotations
 
-import atexit
-import io
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +38,7 @@ import torch.nn.functional as F
 from .._checks import instance, positive_int
 from ..config import TransformerConfig
 from ..model.transformer import TransformerLM
+from .launch import join_command_line_group
 
 
 @dataclass
@@ -237,18 +235,6 @@ def shard_for_command_line(model: TransformerLM, device: str):
         raise ValueError("--tensor-parallel runs under torchrun (WORLD_SIZE is not set); e.g. "
                          "torchrun --nproc-per-node 2 -m mini_transformer.cli sample --tensor-parallel ...")
     check_divisible(model.config, world)  # before joining any group: every rank stops, none waits
-    backend = "gloo"
-    if torch.device(device).type == "cuda":  # one GPU per rank; "cuda" then means this rank's GPU
-        backend = "nccl"
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        model.to("cuda")
-    if not dist.is_initialized():  # (a test's launcher may have joined the group already)
-        dist.init_process_group(backend)
-        atexit.register(_leave_group)
+    stream = join_command_line_group(model, device)
     shard_tensor_parallel(model)
-    return sys.stdout if dist.get_rank() == 0 else io.StringIO()
-
-
-def _leave_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    return stream
