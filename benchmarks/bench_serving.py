@@ -65,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--preset", default="llama-style", choices=["llama-style", "llama-tiny"],
                    help="the model's shape (llama-tiny: 2 x 64, where the host's share of a step is largest)")
     p.add_argument("--rounds", type=int, default=2, help="--sampled: greedy/sampled runs, alternating")
+    p.add_argument("--new-tokens", type=int, help="tokens each request generates (default: uniform in "
+                   "[--min-len, --max-len])")
     p.add_argument("--hf-peer", action="store_true",
                    help="only the Hugging Face continuous-batching comparison: a Llama of vocab 8192, "
                         "48 prompts of 16-256 tokens, 64 greedy tokens each, ours vs model.generate_batch, "
@@ -160,7 +162,7 @@ def main_workload(model, args, counter):
     vocab = model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
                for _ in range(args.requests)]
-    out_lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.requests)]
+    out_lens = [args.new_tokens or rng.randint(args.min_len, args.max_len) for _ in range(args.requests)]
     n_tokens = sum(out_lens)
     rows, reference = [], None
     if "one-at-a-time" in args.ways:
@@ -200,12 +202,13 @@ def host_share_line(name: str, stats: dict) -> str:
 
 def steady_host_share(model, prompts, params, args, steps: int = 32) -> tuple[int, float, float]:
     """Host share of decode steps with every request running: all prompts prefilled first (each request
-    asks for enough tokens to outlast the timed steps). Returns (running sequences, share, ms per step)."""
+    asks for all the room its context has left, to outlast the timed steps). Returns (running sequences,
+    share, ms per step)."""
     engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens)
     n = min(len(prompts), args.max_num_seqs)
     for prompt, p in zip(prompts[:n], params[:n], strict=True):
-        engine.add_request(prompt, dataclasses.replace(p, max_tokens=max(p.max_tokens, steps + 2)))
+        engine.add_request(prompt, dataclasses.replace(p, max_tokens=model.config.max_seq_len - len(prompt)))
     while engine.stats()["prefill_tokens_computed"] < sum(map(len, prompts[:n])):
         engine.step()
     timer = ForwardTimer.of(model)
@@ -228,7 +231,7 @@ def sampled_workload(model, args):
     vocab = model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
                for _ in range(args.requests)]
-    out_lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.requests)]
+    out_lens = [args.new_tokens or rng.randint(args.min_len, args.max_len) for _ in range(args.requests)]
     ways = {"greedy": [SamplingParams(max_tokens=n, ignore_eos=True) for n in out_lens],
             "sampled": sampled_params(out_lens)}
     last_stats = {}
