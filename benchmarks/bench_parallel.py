@@ -22,6 +22,9 @@ Three tables, each with its reference measured in the same run:
      with every FFN an MoE layer of 8 experts of width d_model, top-2.
   5. Prefill/decode disaggregation, rank 0 prefills and rank 1 decodes: K/V bytes moved per request
      against 2 * n_layer * P * Hkv * D * bytes, and the completions checked against one LLMEngine.
+  6. --pp: pipeline parallel training on 2 ranks (bench_pipeline.py): GPipe, 1F1B and interleaved 1F1B at
+     M = 1, 2, 4, 8 microbatches; the measured bubble against (p-1)/(vM+p-1), and peak activation memory
+     per rank against GPipe's; --plot adds out/pp_timeline.png, each schedule's timeline per rank.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import bench_pipeline
 import torch
 from _common import add_common_args, apply_common_args, table, time_call, time_calls
 from bench_attention import _peak_rss_bytes, _reset_peak_rss, _rss_bytes  # a sibling: `python benchmarks/...`
@@ -282,6 +286,8 @@ def main() -> None:
                    help="checkpointing: PRESET:BATCHxSEQ, comma-separated (big enough to rise above allocator noise)")
     p.add_argument("--only", default="tp,ep,pd,train,ac", help="which tables: tp, ep, pd, train, ac (comma-separated)")
     p.add_argument("--ac-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--pp", action="store_true", help="only table 6: pipeline parallelism (bench_pipeline.py)")
+    bench_pipeline.add_arguments(p)
     args = p.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # tables appear as they are measured, even into a file
     if args.quick:
@@ -292,6 +298,9 @@ def main() -> None:
         preset, shape, on = args.ac_worker.split(":")
         batch, seq = map(int, shape.split("x"))
         print(json.dumps(ac_case(args, preset, batch, seq, on == "1")))
+        return
+    if args.pp:
+        bench_pipeline.run(args)
         return
     print(f"load before: {os.getloadavg()}; preset {args.preset}, {args.threads} thread(s) per process")
     only = set(args.only.split(","))

@@ -241,11 +241,15 @@ def test_worked_arithmetic_is_right(page, expr, value):
 
 
 # -------------------------------------------------------------------------------- roadmap
-NOT_BUILT = re.findall(r"^### (.+)\n<!--\s*not-built:\s*(\S+)\s*-->", (ROOT / "docs" / "roadmap.md").read_text(), re.M)
+NOT_BUILT_MARK = re.compile(r"^### (.+)\n<!--\s*not-built:\s*(\S+)\s*-->", re.M)
+NOT_BUILT = NOT_BUILT_MARK.findall((ROOT / "docs" / "roadmap.md").read_text())
 
 
 def test_the_roadmap_marks_what_is_not_built():
-    assert NOT_BUILT, "the markers under ### headings no longer parse"  # at least one stage is still ahead
+    """The marker still parses (the roadmap may have no unbuilt stage with a file left: pipeline
+    parallelism, the last one, landed in parallel/pp.py)."""
+    sample = "### 1. 某个阶段\n<!-- not-built: src/mini_transformer/x.py -->\n"
+    assert NOT_BUILT_MARK.findall(sample) == [("1. 某个阶段", "src/mini_transformer/x.py")]
 
 
 @pytest.mark.parametrize(("entry", "path"), NOT_BUILT, ids=[p for _, p in NOT_BUILT])

@@ -105,6 +105,64 @@ def _ex13(mlp=_tp_mlp, qkv=_qkv_rows):
     return types.SimpleNamespace(column_shard=_column_shard, row_shard=_row_shard, tp_mlp=mlp, qkv_shard_rows=qkv)
 
 
+# ------------------------------------------------------------------------------ exercise 16 (docs/10)
+def _gpipe_order(rank, ranks, microbatches):
+    return [("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)]
+
+
+def _1f1b_order(rank, ranks, microbatches, warmup_by_rank=True):
+    warmup = min(ranks - 1 - rank if warmup_by_rank else ranks - 1, microbatches)
+    order, backward = [("F", m) for m in range(warmup)], 0
+    for forward in range(warmup, microbatches):
+        order += [("F", forward), ("B", backward)]
+        backward += 1
+    return order + [("B", m) for m in range(backward, microbatches)]
+
+
+def _bubble(ranks, microbatches, stages_per_rank=1, of_work=False):
+    if of_work:  # idle time over the work time, not over the whole span
+        return (ranks - 1) / (stages_per_rank * microbatches)
+    return (ranks - 1) / (stages_per_rank * microbatches + ranks - 1)
+
+
+def _simulate(orders, t_forward=1.0, t_backward=2.0, wait_for_neighbours=True):
+    ranks, end, free, busy = len(orders), {}, [0.0] * len(orders), [0.0] * len(orders)
+    pending = [list(order) for order in orders]
+    while any(pending):
+        progress = False
+        for r in range(ranks):
+            while pending[r]:
+                kind, m = pending[r][0]
+                needs = ([(r - 1, "F", m)] if r > 0 else []) if kind == "F" else \
+                    [(r, "F", m)] + ([(r + 1, "B", m)] if r < ranks - 1 else [])
+                if not wait_for_neighbours:
+                    needs = [n for n in needs if n[0] == r]
+                if any(n not in end for n in needs):
+                    break
+                took = t_forward if kind == "F" else t_backward
+                end[r, kind, m] = free[r] = max([free[r]] + [end[n] for n in needs]) + took
+                busy[r] += took
+                pending[r].pop(0)
+                progress = True
+        if not progress:
+            raise ValueError("deadlock")
+    span = max(end.values())
+    return [1 - b / span for b in busy]
+
+
+def _in_flight(order):
+    held = peak = 0
+    for kind, _ in order:
+        held += 1 if kind == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def _ex16(one_f=_1f1b_order, bubble=_bubble, simulate=_simulate):
+    return types.SimpleNamespace(gpipe_order=_gpipe_order, one_f_one_b_order=one_f, bubble_fraction=bubble,
+                                 simulate=simulate, peak_in_flight=_in_flight)
+
+
 BROKEN_STAGES = {
     "ex11_sse_client": {
         "an event ends with one newline": _ex11(sse=lambda payload: _sse_event(payload)[:-1]),
@@ -124,5 +182,11 @@ BROKEN_STAGES = {
             mlp=lambda *a: _tp_mlp(*a, reduce="none")),
         "b2 added on every rank before the sum": _ex13(mlp=lambda *a: _tp_mlp(*a, bias_per_rank=True)),
         "W_qkv cut as one contiguous block of rows": _ex13(qkv=_qkv_rows_one_block),
+    },
+    "ex16_pipeline_schedule": {
+        "1F1B warm-up of p - 1 forwards on every rank": _ex16(one_f=lambda r, p, m: _1f1b_order(r, p, m, False)),
+        "bubble over the work, (p - 1) / (v M)": _ex16(bubble=lambda p, m, v=1: _bubble(p, m, v, of_work=True)),
+        "a stage that does not wait for its neighbours": _ex16(
+            simulate=lambda o, f=1.0, b=2.0: _simulate(o, f, b, wait_for_neighbours=False)),
     },
 }

@@ -34,6 +34,8 @@ def _add_sample(sub) -> None:
     p.add_argument("--speculative-tokens", type=int, default=4, help="tokens drafted per target pass")
     p.add_argument("--tensor-parallel", action="store_true",
                    help="under torchrun: split heads, FFN and vocabulary over the ranks (rank 0 prints)")
+    p.add_argument("--pipeline-parallel", type=int, metavar="N",
+                   help="under torchrun with N ranks: each keeps 1/N of the layers and their KV cache (rank 0 prints)")
     p.set_defaults(func=_run_sample)
 
 
@@ -81,15 +83,24 @@ def _run_sample(args) -> None:
     tokenizer = load_tokenizer(checkpoint)
     check_vocab_size(tokenizer, model.config.vocab_size, checkpoint)
     out = sys.stdout
-    if args.tensor_parallel:  # every rank runs the same loop on its shard; only rank 0 prints
+    parallel = [flag for flag, on in (("--tensor-parallel", args.tensor_parallel),
+                                      ("--pipeline-parallel", args.pipeline_parallel is not None)) if on]
+    if parallel:  # every rank runs the same loop on its shard or stage; only rank 0 prints
+        if len(parallel) > 1:
+            raise ValueError("--tensor-parallel and --pipeline-parallel do not combine here; choose one")
         if len(prompts) > 1:
-            raise ValueError("--tensor-parallel continues one --prompt (several go through the engine, one process)")
+            raise ValueError(f"{parallel[0]} continues one --prompt (several go through the engine, one process)")
         if args.quantize or args.compile or args.draft_checkpoint or args.prompt_lookup:
-            raise ValueError("--tensor-parallel runs the plain model: leave out --quantize, --compile, "
+            raise ValueError(f"{parallel[0]} runs the plain model: leave out --quantize, --compile, "
                              "--draft-checkpoint and --prompt-lookup")
-        from ..parallel.tp import shard_for_command_line
+        if args.tensor_parallel:
+            from ..parallel.tp import shard_for_command_line
 
-        out = shard_for_command_line(model, device)
+            out = shard_for_command_line(model, device)
+        else:
+            from ..parallel.pp_inference import shard_for_command_line
+
+            out = shard_for_command_line(model, device, args.pipeline_parallel)
     if len(prompts) > 1:
         _sample_with_engine(model, tokenizer, prompts, params)
         return

@@ -30,6 +30,10 @@ _TRAIN_FLAGS = {  # flag -> (TrainConfig field, type, help)
     "--device": ("device", str, "auto | cpu | cuda | cuda:N | mps"),
     "--precision": ("precision", str, "auto | fp32 | bf16 | fp16 (autocast)"),
     "--seed": ("seed", int, "random seed"),
+    "--pipeline-parallel": ("pipeline_parallel", int, "under torchrun with this many ranks: split the layers "
+                            "into pipeline stages (torch.distributed.pipelining)"),
+    "--microbatches": ("microbatches", int, "pipeline: microbatches per batch (batch size divisible by it)"),
+    "--schedule": ("schedule", str, "pipeline: gpipe | 1f1b (default) | interleaved-1f1b (2 stages per rank)"),
 }
 
 

@@ -196,10 +196,7 @@ class TransformerLM(nn.Module):
         cache = NoCache() if cache is None else cache
         positions = cache.begin(idx, attention_mask)  # (B, T): left padding does not count
         x = self.emb_drop(self.embed(idx, positions))  # (B, T, C)
-        rope = self.rope.cos_sin(positions, x.dtype) if self.rope is not None else None  # (B, 1, T, D) x 2
-        recompute = self.config.activation_checkpointing and torch.is_grad_enabled()  # keep block inputs only
-        for block in self.blocks:
-            x = checkpoint(block, x, cache, rope, use_reentrant=False) if recompute else block(x, cache, rope)
+        x = self.run_blocks(self.blocks, x, cache, positions)  # (B, T, C)
         if logits_at is not None:
             x = x[:, logits_at]  # (B, K, C): only the positions whose next token someone will pick
         logits = self.lm_head(self.norm_f(x))  # (B, T or K, V)
@@ -207,6 +204,15 @@ class TransformerLM(nn.Module):
         if loss is not None and self.training and self.config.ffn == "moe" and self.config.moe_aux_loss_coef > 0:
             loss = loss + self.config.moe_aux_loss_coef * moe_aux_loss(self, attention_mask)  # training only
         return logits, loss
+
+    def run_blocks(self, blocks, x, cache: Cache, positions):
+        """x (B, T, C) through `blocks` (all of self.blocks, or a pipeline stage's run of them, see
+        parallel/pp.py), each turning q and k by `positions` (B, T) when the model uses RoPE."""
+        rope = self.rope.cos_sin(positions, x.dtype) if self.rope is not None else None  # (B, 1, T, D) x 2
+        recompute = self.config.activation_checkpointing and torch.is_grad_enabled()  # keep block inputs only
+        for block in blocks:
+            x = checkpoint(block, x, cache, rope, use_reentrant=False) if recompute else block(x, cache, rope)
+        return x
 
     def embed(self, idx, positions):
         """Token embeddings plus, for learned or sinusoidal positions, the position's vector: (B, T, C)."""

@@ -107,6 +107,7 @@ def _collect(results, procs, timeout: float) -> tuple[dict[int, bytes], dict[int
                     and rank not in done and rank not in errors]
             for rank in dead:  # killed without reporting (a segfault, the OOM killer)
                 errors[rank] = f"process exited with code {procs[rank].exitcode} without reporting"
+                deadline = min(deadline, time.monotonic() + GRACE_S)  # the others may be waiting for it
             continue
         if status == "ok":
             done[rank] = payload

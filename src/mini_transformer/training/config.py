@@ -10,7 +10,8 @@ from ..config import DictIO
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]  # auto: bf16/fp16 autocast on CUDA, fp32 elsewhere
 TokenizerKind = Literal["char", "bpe"]
-PRECISIONS, TOKENIZERS = get_args(Precision), get_args(TokenizerKind)
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]  # torch.distributed.pipelining's schedules
+PRECISIONS, TOKENIZERS, PIPELINE_SCHEDULES = get_args(Precision), get_args(TokenizerKind), get_args(PipelineSchedule)
 # Tokens per micro-batch when batch_size is left out: nanoGPT's CPU "baby" run cuts 12 sequences of 64. Keeping
 # the tokens (not the sequences) fixed lets a longer context train in about the same time per step.
 BATCH_TOKENS = 768
@@ -50,12 +51,16 @@ class TrainConfig(DictIO):
     sample_tokens: int = 300
     progress: bool = True
     fsdp: bool = False  # under torchrun: FSDP2 shards weights, grads and AdamW state (parallel/fsdp.py), not DDP
+    pipeline_parallel: int = 1  # under torchrun with this many ranks: the layers split into stages (parallel/pp.py)
+    microbatches: int = 1  # pipeline: the batch of batch_size sequences is cut into this many
+    schedule: PipelineSchedule = "1f1b"  # pipeline: the order of the microbatches' forwards and backwards
 
     def __post_init__(self) -> None:
         choice("tokenizer", self.tokenizer, TOKENIZERS)
         choice("precision", self.precision, PRECISIONS)
+        choice("schedule", self.schedule, PIPELINE_SCHEDULES)
         for name in ("bpe_vocab_size", "grad_accum_steps", "max_steps", "eval_interval",
-                     "eval_batches", "sample_tokens"):
+                     "eval_batches", "sample_tokens", "pipeline_parallel", "microbatches"):
             positive_int(name, getattr(self, name))
         for name in ("batch_size", "block_size", "lr_decay_steps"):
             if getattr(self, name) is not None:
@@ -79,6 +84,20 @@ class TrainConfig(DictIO):
             boolean(name, getattr(self, name))
         for name in ("device", "out_dir"):
             string(name, getattr(self, name))
+        if self.pipeline_parallel > 1:
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """What pipeline parallelism cannot be combined with (the model-dependent checks are parallel/pp.py's)."""
+        clash = {"fsdp": self.fsdp, "compile": self.compile, "grad_accum_steps > 1": self.grad_accum_steps > 1,
+                 f"precision={self.precision}": self.precision not in ("auto", "fp32")}
+        for name, given in clash.items():
+            if given:
+                raise ValueError(f"pipeline_parallel={self.pipeline_parallel} does not go with {name}: the pipeline "
+                                 f"trains in fp32, and its microbatches already are the gradient accumulation")
+        if self.batch_size is not None and self.batch_size % self.microbatches:
+            raise ValueError(f"batch_size={self.batch_size} must be divisible by microbatches={self.microbatches} "
+                             f"(equal microbatches: the mean of their losses is the batch's loss)")
 
     def sequences_per_batch(self, block_size: int) -> int:
         """batch_size, or as many sequences of `block_size` as fill BATCH_TOKENS (3 at 256, 12 at 64)."""

@@ -146,10 +146,13 @@ def train(cfg: TrainConfig, model_cfg: TransformerConfig | dict | None = None, *
     instance("cfg", cfg, TrainConfig)
     if cfg.fsdp and (int(os.environ.get("WORLD_SIZE", "1")) < 2 or cfg.compile):
         raise ValueError("fsdp=True needs torchrun with at least 2 processes (WORLD_SIZE >= 2) and no compile")
+    ckpt = None if resume is None else find_checkpoint(resume)  # verified against its manifest
+    if cfg.pipeline_parallel > 1:  # before joining the group: a bad setting stops every rank, none waits
+        _check_pipeline_run(cfg, model_cfg, ckpt)
+    joined_here = not dist.is_initialized()  # a test's launcher may have joined the group for us
     rank, world_size, device = setup_distributed(cfg)
     finished = False
     try:
-        ckpt = None if resume is None else find_checkpoint(resume)  # verified against its manifest
         if rank == 0:  # a resumed run may write only into its own directory, unless told to replace another
             other_run = ckpt is None or Path(cfg.out_dir).resolve() != ckpt.parent.resolve()
             prepare_out_dir(cfg.out_dir, fresh=other_run, overwrite=overwrite)
@@ -157,8 +160,25 @@ def train(cfg: TrainConfig, model_cfg: TransformerConfig | dict | None = None, *
         finished = True
         return result
     finally:
-        if world_size > 1:
+        if world_size > 1 and joined_here:
             leave_process_group(together=finished)
+        elif world_size > 1 and finished:
+            dist.barrier()  # the group stays; the next run starts when every rank has finished this one
+
+
+def _check_pipeline_run(cfg: TrainConfig, model_cfg, ckpt: Path | None) -> None:
+    from ..parallel.pp import check_pipeline
+
+    if ckpt is not None:  # the model's shape comes from the checkpoint's config.json
+        from ..checkpoint import CONFIG_NAME, read_json
+
+        saved = {k: v for k, v in read_json(ckpt / CONFIG_NAME).items() if k != "model_type"}
+        model_cfg = TransformerConfig.from_dict({**saved, **(model_cfg or {})})
+    model_cfg = model_cfg or TransformerConfig.from_preset("shakespeare-char")
+    if not isinstance(model_cfg, TransformerConfig):
+        return  # _prepare names the wrong type
+    check_pipeline(model_cfg, cfg.pipeline_parallel, cfg.schedule, cfg.microbatches, cfg.batch_size,
+                   world_size=int(os.environ.get("WORLD_SIZE", "1")))
 
 
 @dataclass
@@ -181,6 +201,7 @@ class _Run:
     amp_dtype: torch.dtype | None
     rank: int
     world_size: int
+    pipeline: object = None  # parallel.pp.PipelineTrainer when pipeline_parallel > 1
     step: int = 0
     best_val: float = math.inf
     losses: list = field(default_factory=list)
@@ -188,15 +209,19 @@ class _Run:
     step_times: list = field(default_factory=list)
 
     @property
+    def data_ranks(self) -> int:  # ranks that each take their own slice of the batch (pipeline ranks share one)
+        return 1 if self.pipeline is not None else self.world_size
+
+    @property
     def tokens_per_step(self) -> int:
-        return self.cfg.batch_size * self.block_size * self.cfg.grad_accum_steps * self.world_size
+        return self.cfg.batch_size * self.block_size * self.cfg.grad_accum_steps * self.data_ranks
 
     def amp(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype else contextlib.nullcontext()
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = get_batch(self.train_data, self.cfg.batch_size, self.block_size, self.generator,
-                         rank=self.rank, world_size=self.world_size)
+                         rank=self.rank % self.data_ranks, world_size=self.data_ranks)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)  # (B, T), (B, T)
 
     def state_dict(self, optimizer_state: dict | None = None) -> dict:
@@ -215,6 +240,8 @@ class _Run:
             from ..parallel import fsdp
 
             fsdp.load_optimizer_state(self.raw_model, self.optimizer, state["optimizer"])
+        elif self.pipeline is not None:  # each rank keeps the state of its stages' parameters
+            self.pipeline.load_optimizer_state(self.optimizer, state["optimizer"])
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
@@ -231,6 +258,10 @@ class _Run:
             from ..parallel import fsdp
 
             model, optimizer_state = fsdp.gather_full_state(self.raw_model, self.optimizer)
+            if self.rank != 0:
+                return
+        if self.pipeline is not None:  # every rank sends its stages; rank 0 evaluates and saves the whole model
+            model, optimizer_state = self.pipeline.gather_full_state(self.optimizer)
             if self.rank != 0:
                 return
         splits = {"train": self.train_data, "val": self.val_data}
@@ -269,15 +300,21 @@ def _start(cfg: TrainConfig, model_cfg, ckpt: Path | None, rank: int, world_size
         from ..parallel.fsdp import shard_for_training
 
         shard_for_training(model)
-    amp_dtype = autocast_dtype(cfg.precision, device)
-    run = _Run(cfg, model, model, tokenizer, text, state["data_name"], train_data, val_data, block_size,
-               make_optimizer(model, cfg), torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16),
-               torch.Generator().manual_seed(cfg.seed), device, amp_dtype, rank, world_size)
+    pipeline = None
+    if cfg.pipeline_parallel > 1:  # this rank's stages are what it trains (and what its optimizer sees)
+        from ..parallel.pp import PipelineTrainer
+
+        pipeline = PipelineTrainer(model, cfg.schedule, cfg.microbatches, device)
+    amp_dtype = None if pipeline is not None else autocast_dtype(cfg.precision, device)
+    trained = model if pipeline is None else pipeline.local
+    run = _Run(cfg, trained, model, tokenizer, text, state["data_name"], train_data, val_data, block_size,
+               make_optimizer(trained, cfg), torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16),
+               torch.Generator().manual_seed(cfg.seed), device, amp_dtype, rank, world_size, pipeline)
     if ckpt is not None:
         run.restore(state)
     if cfg.compile:
         run.model = torch.compile(run.model)
-    if world_size > 1 and not cfg.fsdp:
+    if world_size > 1 and not cfg.fsdp and pipeline is None:
         from torch.nn.parallel import DistributedDataParallel
 
         run.model = DistributedDataParallel(run.model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -294,18 +331,21 @@ def _train(run: _Run) -> TrainResult:
         lr = lr_at(run.step, cfg)
         for group in run.optimizer.param_groups:
             group["lr"] = lr
-        loss_value = _forward_backward(run.model, run.next_batch, cfg, run.amp, run.scaler, run.world_size)
+        if run.pipeline is not None:  # the schedule runs the microbatches through this rank's stages
+            loss_value = run.pipeline.step(*run.next_batch()).item()
+        else:
+            loss_value = _forward_backward(run.model, run.next_batch, cfg, run.amp, run.scaler, run.world_size)
         if not math.isfinite(loss_value):  # checked BEFORE the update: the weights are still good
             bar.close()
             raise run.diverged(loss_value, lr)
-        _update(run.model, run.optimizer, run.scaler, cfg.grad_clip)
+        _update(run.model, run.optimizer, run.scaler, cfg.grad_clip, run.pipeline)
         run.step += 1
         run.losses.append(loss_value)
         run.step_times.append(time.perf_counter() - started)
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", refresh=False,
                         tok_s=f"{run.tokens_per_step / run.step_times[-1]:.0f}")
-        if (master or cfg.fsdp) and (run.step % cfg.eval_interval == 0 or run.step == cfg.max_steps):
+        if (master or cfg.fsdp or run.pipeline) and (run.step % cfg.eval_interval == 0 or run.step == cfg.max_steps):
             run.evaluate_and_save(bar)
     bar.close()
     out_dir = Path(cfg.out_dir)
@@ -338,9 +378,11 @@ def _forward_backward(model, next_batch, cfg: TrainConfig, amp, scaler, world_si
     return loss_sum.item()
 
 
-def _update(model, optimizer, scaler, grad_clip: float) -> None:
+def _update(model, optimizer, scaler, grad_clip: float, pipeline=None) -> None:
     """Clip the global gradient norm, take the AdamW step, clear the gradients."""
-    if grad_clip > 0:
+    if grad_clip > 0 and pipeline is not None:  # the norm over every rank's stages
+        pipeline.clip_grad_norm_(grad_clip)
+    elif grad_clip > 0:
         scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     scaler.step(optimizer)

@@ -56,7 +56,8 @@ def setup_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    if not dist.is_initialized():  # (a test's launcher may have joined the group already)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return rank, world_size, device
 
 
