@@ -25,6 +25,7 @@ p50 TPOT <= 2 x the lone request's.
 
     python benchmarks/bench_server.py                       # 64 requests per rate (minutes on 2 cores)
     python benchmarks/bench_server.py --requests 16 --max-len 64 --plot server.png
+    python benchmarks/bench_server.py --hf-peer --max-len 256   # only: ours vs `transformers serve` (_server_peer.py)
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, default=384)
     p.add_argument("--seed", type=int, default=0)
     add_common_args(p, threads=1, device=False, plot="latency percentiles vs request rate")  # server and offline
+    p.add_argument("--hf-peer", action="store_true",
+                   help="only the Hugging Face peer: ours vs `transformers serve --continuous-batching` on one HF "
+                        "Llama directory (vocab 8192), --peer-requests at once, alternating --pairs times")
+    p.add_argument("--peer-requests", type=int, default=48, help="--hf-peer: concurrent requests per run")
+    p.add_argument("--peer-tokens", type=int, default=64, help="--hf-peer: new tokens per request")
     return p.parse_args(argv)
 
 
@@ -283,6 +289,12 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     apply_common_args(args)
     print(f"load before: {os.getloadavg()[0]:.2f} (1-min average) on {os.cpu_count()} cores")
+    if args.hf_peer:
+        from _server_peer import run_peer
+
+        with tempfile.TemporaryDirectory() as tmp:
+            run_peer(args, Path(tmp))
+        return
     workload = make_workload(args.requests, args, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_checkpoint(Path(tmp), args)

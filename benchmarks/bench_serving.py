@@ -17,6 +17,7 @@ on vs off, and time to first token of one more request with the prefix cached (w
     python benchmarks/bench_serving.py --quick                      # a quick look (16 requests of 16-64 tokens)
     python benchmarks/bench_serving.py --plot pool.png              # the block pool over time
     python benchmarks/bench_serving.py --sampled                    # + sampled vs greedy engine, profiled
+    python benchmarks/bench_serving.py --preset llama-tiny --ways engine --sampled   # host share, small model
 
 --structured adds the structured-output workload of bench_structured.py (issue 27): half the requests
 JSON-schema constrained vs none, the mask's cost per step and whether the forward hides it.
@@ -25,6 +26,11 @@ JSON-schema constrained vs none, the mask's cost per step and whether the forwar
 (temperature 0.8, top-p 0.95, every other request with repetition penalty 1.1), alternating greedy,
 sampled, greedy, sampled; the table gives the sampled/greedy tokens/s ratio, then a torch.profiler table
 of a few sampled decode steps with the share of time inside the batched sampler (engine/sampler.py).
+
+Every engine row also gives the host share of a step = 1 - (time inside the model's forward / time
+inside engine.step()), over all steps and over the full steps (every running sequence made a token):
+what scheduling, building inputs, sampling and outputs cost beside the model. The compiled CPU decode
+attention is compiled before anything is timed (the server's warm-up, server/run.py).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import time
 
 import torch
 from _common import add_common_args, add_serving_args, apply_common_args, time_call, time_interleaved
+from _generate_batch_peer import ForwardTimer, hf_peer_workload, warm_up
 from bench_structured import add_arguments as add_structured_arguments  # a sibling file: benchmarks/ is on sys.path
 from bench_structured import structured_workload
 from tqdm import tqdm
@@ -62,12 +69,17 @@ def parse_args(argv=None):
     p.add_argument("--structured", action="store_true",
                    help="also: half the requests JSON-schema constrained vs none (bench_structured.py)")
     add_structured_arguments(p)
-    p.add_argument("--vocab-size", type=int, help="the model's vocabulary (default: the llama-style preset's 256)")
+    p.add_argument("--vocab-size", type=int, help="the model's vocabulary (default: the preset's)")
+    p.add_argument("--preset", default="llama-style", choices=["llama-style", "llama-tiny"],
+                   help="the model's shape (llama-tiny: 2 x 64, where the host's share of a step is largest)")
     p.add_argument("--rounds", type=int, default=2, help="--sampled: greedy/sampled runs, alternating")
+    p.add_argument("--new-tokens", type=int, help="tokens each request generates (default: uniform in "
+                   "[--min-len, --max-len])")
     p.add_argument("--hf-peer", action="store_true",
                    help="only the Hugging Face continuous-batching comparison: a Llama of vocab 8192, "
                         "48 prompts of 16-256 tokens, 64 greedy tokens each, ours vs model.generate_batch, "
                         "alternating, with the host share of our steps")
+    p.add_argument("--profile", action="store_true", help="--hf-peer: also profile one engine run (torch.profiler)")
     p.add_argument("--quick", action="store_true",
                    help="a small run (16 requests of 16-64 tokens, 8 prefix requests on a 64-token prefix)")
     args = p.parse_args(argv)
@@ -79,7 +91,7 @@ def parse_args(argv=None):
 def build_model(args) -> TransformerLM:
     vocab = {} if args.vocab_size is None else dict(vocab_size=args.vocab_size)
     max_seq_len = max(2 * args.max_len, args.prefix_len + args.suffix_len + args.prefix_output)
-    cfg = TransformerConfig.from_preset("llama-style", max_seq_len=max_seq_len, **vocab)
+    cfg = TransformerConfig.from_preset(args.preset, max_seq_len=max_seq_len, **vocab)
     torch.manual_seed(args.seed)
     return TransformerLM(cfg).to(args.device).eval()
 
@@ -126,22 +138,31 @@ def static_batches(model, prompts, out_lens, batch_size, device):
 
 
 def run_engine(model, prompts, params, args, *, caching=True, desc="engine"):
-    """All requests added at once, stepped to the end. Returns outputs, the per-step pool record, stats."""
+    """All requests added at once, stepped to the end. Returns outputs, the per-step pool record, stats
+    (with host_share: 1 - the model's forward time / the time inside engine.step(), over all steps)."""
     engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=caching)
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     outputs = {i: [] for i in ids}
     record = []  # (seconds, blocks in use, shared blocks, kv bytes in use, kv bytes holding a token)
+    timer = ForwardTimer.of(model)
+    step_s = forward_s = 0.0
     start = time.perf_counter()
     with tqdm(total=sum(sp.max_tokens for sp in params), desc=desc, unit="tok") as bar:
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            forward_before, step_start = timer.seconds, time.perf_counter()
+            outs = engine.step()
+            seconds, forward = time.perf_counter() - step_start, timer.seconds - forward_before
+            step_s, forward_s = step_s + seconds, forward_s + forward
+            for out in outs:
                 outputs[out.request_id] += out.new_token_ids
                 bar.update(len(out.new_token_ids))
             s = engine.stats()
             record.append((time.perf_counter() - start, s["blocks_in_use"], s["shared_blocks"],
                            s["kv_bytes_in_use"], s["kv_bytes_holding_tokens"]))
-    return [outputs[i] for i in ids], record, engine.stats()
+    stats = engine.stats()
+    stats["host_share"] = 1 - forward_s / step_s
+    return [outputs[i] for i in ids], record, stats
 
 
 def main_workload(model, args, counter):
@@ -149,7 +170,7 @@ def main_workload(model, args, counter):
     vocab = model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
                for _ in range(args.requests)]
-    out_lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.requests)]
+    out_lens = [args.new_tokens or rng.randint(args.min_len, args.max_len) for _ in range(args.requests)]
     n_tokens = sum(out_lens)
     rows, reference = [], None
     if "one-at-a-time" in args.ways:
@@ -179,7 +200,31 @@ def main_workload(model, args, counter):
         print(f"\nengine outputs equal to generate()'s: {same} of {args.requests} requests")
     print(f"engine: {stats['steps']} steps, {stats['mixed_steps']} mixed prefill+decode, peak "
           f"{stats['peak_blocks_in_use']} of {stats['num_blocks']} blocks, {stats['preemptions']} preemptions")
+    print(host_share_line("greedy", stats))
     return record
+
+
+def host_share_line(name: str, stats: dict) -> str:
+    return f"host share of a step ({name}, whole run): {stats['host_share']:.1%}"
+
+
+def steady_host_share(model, prompts, params, args, steps: int = 32) -> tuple[int, float, float]:
+    """Host share of decode steps with every request running: all prompts prefilled first (each request
+    asks for all the room its context has left, to outlast the timed steps). Returns (running sequences,
+    share, ms per step)."""
+    engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
+    n = min(len(prompts), args.max_num_seqs)
+    for prompt, p in zip(prompts[:n], params[:n], strict=True):
+        engine.add_request(prompt, dataclasses.replace(p, max_tokens=model.config.max_seq_len - len(prompt)))
+    while engine.stats()["prefill_tokens_computed"] < sum(map(len, prompts[:n])):
+        engine.step()
+    timer = ForwardTimer.of(model)
+    timer.seconds, start = 0.0, time.perf_counter()
+    for _ in range(steps):
+        assert len(engine.step()) == n, "every sequence makes a token in every timed step"
+    seconds = time.perf_counter() - start
+    return n, 1 - timer.seconds / seconds, 1000 * seconds / steps
 
 
 def sampled_params(out_lens):
@@ -194,11 +239,15 @@ def sampled_workload(model, args):
     vocab = model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
                for _ in range(args.requests)]
-    out_lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.requests)]
+    out_lens = [args.new_tokens or rng.randint(args.min_len, args.max_len) for _ in range(args.requests)]
     ways = {"greedy": [SamplingParams(max_tokens=n, ignore_eos=True) for n in out_lens],
             "sampled": sampled_params(out_lens)}
-    runs = {name: (lambda p=params, n=name: run_engine(model, prompts, p, args, desc=n))
-            for name, params in ways.items()}
+    last_stats = {}
+
+    def run(name):
+        last_stats[name] = run_engine(model, prompts, ways[name], args, desc=name)[2]
+
+    runs = {name: (lambda n=name: run(n)) for name in ways}
     timings = time_interleaved(runs, repeats=args.rounds, warmup=0, device=args.device, grad="grad")
     n_tokens = sum(out_lens)
     greedy = timings["greedy"].median
@@ -210,6 +259,14 @@ def sampled_workload(model, args):
     for name, timing in timings.items():
         each = ", ".join(f"{t:.1f}" for t in timing.times)
         print(f"| {name} | {each} | {n_tokens / timing.median:.1f} | {greedy / timing.median:.2f}× |")
+    print()
+    print(f"host share of a step = 1 - forward time / step time; uptime load {os.getloadavg()[0]:.2f}\n")
+    print("| engine | host share, whole run (last) | running sequences | host share, decode steps with all "
+          "running | ms per such step |")
+    print("|---|---:|---:|---:|---:|")
+    for name, stats in last_stats.items():
+        n, share, ms = steady_host_share(model, prompts, ways[name], args)
+        print(f"| {name} | {stats['host_share']:.1%} | {n} | {share:.1%} | {ms:.2f} |")
     profile_sampled_steps(model, prompts, ways["sampled"], args)
 
 
@@ -310,85 +367,6 @@ def plot(path, main_record, prefix_record, args):
     print(f"wrote {path}")
 
 
-# ------------------------------------------------------------- Hugging Face continuous batching
-def hf_llama_pair(vocab: int, max_len: int):
-    """A random HF Llama shaped like the llama-style preset and ours imported from it: the same weights."""
-    import tempfile
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = TransformerConfig.from_preset("llama-style", vocab_size=vocab, max_seq_len=max_len)
-    hf_cfg = LlamaConfig(vocab_size=vocab, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-                         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_heads,
-                         num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=max_len,
-                         rms_norm_eps=cfg.norm_eps, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(hf_cfg).eval()
-    with tempfile.TemporaryDirectory() as tmp:
-        hf.save_pretrained(tmp)
-        ours = TransformerLM.from_pretrained(tmp)  # a HF directory: attn_backend "sdpa"
-    return ours.eval(), hf
-
-
-class ForwardTimer:
-    """Seconds spent inside the model's forward pass (a pre and a post hook), to split a step into the
-    model's work and the host's (scheduling, inputs, sampling, outputs)."""
-
-    def __init__(self, model):
-        self.seconds, self._start = 0.0, 0.0
-        model.register_forward_pre_hook(lambda *_: setattr(self, "_start", time.perf_counter()))
-        model.register_forward_hook(self._stop)
-
-    def _stop(self, *_):
-        self.seconds += time.perf_counter() - self._start
-
-
-def host_share(model, prompts, params, args) -> tuple[float, list[list[int]], float]:
-    """Run the engine; return (seconds, outputs, host share = 1 - forward time / step time)."""
-    timer = ForwardTimer(model)
-    engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
-    engine.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)  # compile, warm up
-    timer.seconds = 0.0
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    return seconds, outputs, 1 - timer.seconds / seconds
-
-
-def hf_peer_workload(args, n_prompts=48, new_tokens=64, runs=2):
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-
-    ours, hf = hf_llama_pair(8192, 2 * args.max_len)
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(8192) for _ in range(rng.randint(args.min_len, args.max_len))]
-               for _ in range(n_prompts)]
-    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
-    cb = ContinuousBatchingConfig(
-        block_size=args.block_size, num_blocks=4096, max_batch_tokens=args.max_num_batched_tokens,
-        max_requests_per_batch=args.max_num_seqs)
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    times = {"engine": [], "hf": []}
-    for _ in range(runs):  # alternating: ours, theirs, ours, theirs
-        seconds, ours_out, share = host_share(ours, prompts, params, args)
-        times["engine"].append(seconds)
-        start = time.perf_counter()
-        result = hf.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
-        times["hf"].append(time.perf_counter() - start)
-    hf_out = [list(result[f"req_{i}"].generated_tokens) for i in range(n_prompts)]
-    same = sum(a == b for a, b in zip(ours_out, hf_out, strict=True))
-    n_tokens = n_prompts * new_tokens
-    print(f"\nHF peer: {n_prompts} prompts of {args.min_len}-{args.max_len} tokens, {new_tokens} greedy tokens each, "
-          f"Llama 6x384 GQA vocab 8192, same weights; uptime load {os.getloadavg()[0]:.2f}\n")
-    print("| way | seconds (each run) | output tok/s (best) | × HF generate_batch |")
-    print("|---|---|---:|---:|")
-    best_hf = min(times["hf"])
-    for name, label in (("hf", "HF model.generate_batch"), ("engine", "engine")):
-        runs_text = ", ".join(f"{t:.2f}" for t in times[name])
-        print(f"| {label} | {runs_text} | {n_tokens / min(times[name]):.1f} | {best_hf / min(times[name]):.2f}× |")
-    print(f"\noutputs identical to HF's: {same} of {n_prompts}; engine host share of a step (last run): {share:.1%}")
-
-
 def main(argv=None):
     args = parse_args(argv)
     apply_common_args(args)
@@ -399,6 +377,7 @@ def main(argv=None):
     model = build_model(args)
     counter = ForwardCounter(model)
     with torch.inference_mode():
+        warm_up(model, args)
         main_record = main_workload(model, args, counter)
         if args.sampled:
             sampled_workload(model, args)

@@ -434,3 +434,18 @@ def test_the_server_admits_exactly_what_the_engine_admits(tmp_path):
         assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "prompt"
         assert str(engine_error.value) in err.value.body["message"]
         server.wait_idle()
+
+
+def test_warm_up_leaves_the_engine_empty_and_its_greedy_tokens_unchanged(tmp_path):
+    """serve's warm-up (dummy requests before the server is ready) must leave no request, no block in use
+    and no trace in what the engine generates afterwards: the reference is an offline engine never warmed."""
+    from mini_transformer import SamplingParams
+    from mini_transformer.server import build_context
+
+    model, tokenizer = make_char_checkpoint(tmp_path)
+    engine = build_context(tmp_path, block_size=4, warm_up=True).engine_loop.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.stats()["blocks_in_use"] == 0 and engine.stats()["steps"] > 0  # it did step
+    prompts = [tokenizer.encode(text) for text in ("Hello there", "a", "The quick brown fox jumps")]
+    got = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert got == offline_greedy(model, prompts, 8)

@@ -23,6 +23,8 @@ def _add_serve(sub) -> None:
                    "memory behind the pool (an LRU tier in front of --kv-store)")
     p.add_argument("--device", default="cpu")
     add_model_options(p)
+    p.add_argument("--no-warm-up", dest="warm_up", action="store_false", help="skip the dummy requests "
+                   "stepped before the server reports ready (they compile the CPU decode attention)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=_run_serve)
 
@@ -40,7 +42,7 @@ def _run_serve(args) -> None:
                         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_waiting=args.max_waiting, device=args.device, kv_store=args.kv_store,
-                        host_kv_bytes=args.host_kv_bytes)
+                        host_kv_bytes=args.host_kv_bytes, warm_up=args.warm_up)
     print(f"serving {ctx.model_name!r} on http://{args.host}:{args.port} (live page at /, API under /v1)",
           flush=True)
     serve(ctx, host=args.host, port=args.port, log_level=args.log_level)

@@ -26,10 +26,11 @@ def build_context(checkpoint: str | Path, *, model_name: str | None = None, api_
                   block_size: int = 16, kv_cache_bytes: int | None = None, num_blocks: int | None = None,
                   max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_waiting: int = 256,
                   device: str = "cpu", model=None, kv_store: str | None = None,
-                  host_kv_bytes: int | None = None) -> ServerContext:
+                  host_kv_bytes: int | None = None, warm_up: bool = False) -> ServerContext:
     """Load the model and tokenizer of `checkpoint` (ours or a Hugging Face GPT-2 / Llama directory) and
     put an engine around them. `model` may be given to serve a model already in memory. `kv_store`
-    (redis://HOST:PORT) and `host_kv_bytes` add KV store tiers behind the pool (engine/kv_connector.py)."""
+    (redis://HOST:PORT) and `host_kv_bytes` add KV store tiers behind the pool (engine/kv_connector.py).
+    `warm_up`: run warm_up_engine before returning, so no client pays for compiling."""
     from ..engine import LLMEngine
 
     non_negative_int("max_waiting", max_waiting)  # block_size, max_num_seqs, ...: LLMEngine's door checks them
@@ -45,6 +46,8 @@ def build_context(checkpoint: str | Path, *, model_name: str | None = None, api_
     engine = LLMEngine(model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        eos_token_id=codec.eos_token_id, kv_connector=connector, tokenizer=codec.tokenizer)
+    if warm_up:
+        warm_up_engine(engine)
     stats = engine.stats()
     metrics = ServerMetrics()
     return ServerContext(
@@ -53,6 +56,33 @@ def build_context(checkpoint: str | Path, *, model_name: str | None = None, api_
         max_model_len=model.config.max_seq_len, pool_tokens=stats["num_blocks"] * block_size,
         vocab_size=model.config.vocab_size, api_key=api_key,
     )
+
+
+def warm_up_engine(engine) -> None:
+    """Step a few dummy requests through the engine before the server says it is ready. On the CPU the
+    paged decode attention is compiled on first use (10-40 s on 2 busy cores), and compiled again for each
+    shape family it meets: one or several sequences, one or several blocks per table, decode-only or
+    mixed with prefill (torch.compile specialises sizes 0 and 1 and the slices of a mixed step). Without
+    this, the first clients would wait for those compilations. The dummy requests count in the engine's
+    stats (steps, tokens computed) like any others; their blocks are freed when they finish."""
+    from ..inference.sampling import SamplingParams
+
+    cfg = engine.config
+    short = max(1, min(3, cfg.max_seq_len - 2))
+    long = max(1, min(engine.block_size + 2, cfg.max_seq_len - 2))  # reaches a second block
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    def prompt(n: int, first: int) -> list[int]:
+        return [(first + i) % cfg.vocab_size for i in range(n)]
+
+    for lengths in ((short,), (short, short), (long,), (long, long)):  # decode-only steps of each family
+        engine.generate([prompt(n, i) for i, n in enumerate(lengths)], params, use_tqdm=False)
+    for running in (1, 2):  # decode rows of `running` sequences beside prefill rows in one step
+        ids = [engine.add_request(prompt(short, i), params) for i in range(running)]
+        engine.step()  # their prefill: from here on they decode
+        ids += [engine.add_request(prompt(long, 7 + i), params) for i in range(2)]
+        while engine.has_unfinished_requests():
+            engine.step()
 
 
 def kv_connector(kv_store: str | None, host_kv_bytes: int | None):
