@@ -133,15 +133,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     S, H, D = q.shape
     Hkv = k_cache.shape[1]
     G, B = H // Hkv, block_tables.shape[1]
-    k = k_cache.view(-1, block_size, Hkv, D)[block_tables]  # (S, B, block_size, Hkv, D)
-    v = v_cache.view(-1, block_size, Hkv, D)[block_tables]
-    q = q.view(S, 1, 1, Hkv, G, D)  # GQA: query head h reads kv head h // G
+    # fp32 arithmetic for 16-bit pools, as the contiguous backends accumulate: compiled or eager, the
+    # engine's decode then rounds like generate() does (bf16 sums in bf16 flipped greedy near-ties)
+    work = torch.promote_types(q.dtype, torch.float32)  # float32 for 16-bit pools, float64 stays float64
+    k = k_cache.view(-1, block_size, Hkv, D)[block_tables].to(work)  # (S, B, block_size, Hkv, D)
+    v = v_cache.view(-1, block_size, Hkv, D)[block_tables].to(work)
+    out_dtype, q = q.dtype, q.to(work).view(S, 1, 1, Hkv, G, D)  # GQA: query head h reads kv head h // G
     scores = (q * k.unsqueeze(4)).sum(-1) * scale  # (S, B, block_size, Hkv, G)
     key_pos = torch.arange(B * block_size, device=q.device).view(1, B, block_size, 1, 1)
     scores = scores.masked_fill(key_pos >= context_lens.view(S, 1, 1, 1, 1), float("-inf"))
     weights = scores.view(S, B * block_size, Hkv, G).softmax(dim=1)  # (S, L, Hkv, G)
     out = (weights.unsqueeze(-1) * v.view(S, B * block_size, Hkv, 1, D)).sum(1)  # (S, Hkv, G, D)
-    return out.view(S, H, D)
+    return out.view(S, H, D).to(out_dtype)
 
 
 _compiled_decode = None
