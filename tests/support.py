@@ -113,3 +113,15 @@ def padded_prompts(pad_lengths: list[int], prompt_len: int, vocab: int,
     if pad_id is not None:
         idx = idx.masked_fill(mask == 0, pad_id)
     return idx, mask
+
+
+def write_word_corpus(directory):
+    """A few thousand characters of word-like text, the same in every run: the corpus of the multi-process
+    training tests (test_parallel_train.py, test_parallel_pp.py)."""
+    gen = torch.Generator().manual_seed(0)
+    words = ["the", "king", "shall", "speak", "and", "we", "hear", "him", "now", "good", "lord", "my"]
+    text = " ".join(words[i] for i in torch.randint(len(words), (1500,), generator=gen).tolist())
+    path = directory / "corpus.txt"
+    path.write_text(text)
+    return path
+

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from support import save_char_checkpoint
+from support import save_char_checkpoint, write_word_corpus
 
 from mini_transformer import TransformerConfig, TransformerLM, generate
 from mini_transformer.cli import main
@@ -33,12 +33,7 @@ SAMPLE = ["--prompt", "the fox", "--max-new-tokens", "20", "--temperature", "0"]
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    gen = torch.Generator().manual_seed(0)
-    words = ["the", "king", "shall", "speak", "and", "we", "hear", "him", "now", "good", "lord", "my"]
-    text = " ".join(words[i] for i in torch.randint(len(words), (1500,), generator=gen).tolist())
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text(text)
-    return path
+    return write_word_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def train_args(corpus, style: str, steps: int = 5) -> list[str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import assert_same_weights
+from support import assert_same_weights, write_word_corpus
 
 from mini_transformer import TransformerConfig, TransformerLM
 from mini_transformer.cli import main
@@ -20,12 +20,7 @@ from mini_transformer.training.io import load_train_state
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    gen = torch.Generator().manual_seed(0)
-    words = ["the", "king", "shall", "speak", "and", "we", "hear", "him", "now", "good", "lord", "my"]
-    text = " ".join(words[i] for i in torch.randint(len(words), (1500,), generator=gen).tolist())
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text(text)
-    return path
+    return write_word_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def common_args(corpus) -> list[str]:

@@ -25,7 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..inference.sampling import SamplingParams, sorted_descending, top_p_cut
+from ..inference.sampling import (
+    SamplingParams,
+    apply_presence_frequency,
+    repetition_penalised,
+    sorted_descending,
+    top_p_cut,
+)
 from .sequence import Sequence, TokenLogprob
 from .structured import GrammarMasks
 
@@ -129,8 +135,8 @@ def penalise(x: torch.Tensor, seqs: list[Sequence], values: torch.Tensor, counts
         output = counts.output[slot_index]  # (M, V)
         seen = counts.in_prompt[slot_index] | (output > 0)
         repetition, presence, frequency = values[:, 4:5], values[:, 5:6], values[:, 6:7]  # (M, 1) each
-        x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
-        x = x - (frequency * output.to(x.dtype) + presence * (output > 0).to(x.dtype))
+        x = repetition_penalised(x, seen, repetition)
+        x = apply_presence_frequency(x, output, presence, frequency)
     return x
 
 

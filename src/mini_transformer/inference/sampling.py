@@ -199,8 +199,13 @@ def apply_repetition_penalty(
     a positive logit is divided by `penalty`, a negative one multiplied by it. penalty 1 changes nothing.
     previous_mask (B, T), True = a real token, leaves padding out of the count."""
     counts = token_counts(previous_ids, logits.shape[-1], previous_mask)  # (B, V): how often each token was seen
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(counts > 0, penalised, logits)
+    return repetition_penalised(logits, counts > 0, penalty)
+
+
+def repetition_penalised(logits: torch.Tensor, seen: torch.Tensor, penalty) -> torch.Tensor:
+    """The CTRL rule on the tokens `seen` (B, V) bool: positive logits / penalty, negative ones * penalty.
+    penalty is a number or a (B, 1) per-row tensor (the engine's batched sampler)."""
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
 def draw_from_probs(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
