@@ -3,7 +3,7 @@
 - no import cycle between modules, and none between subpackages (a lazy import that dodges a cycle at
   load time is still one in the design);
 - data flows one way, down the floors: cli -> server, training -> parallel -> engine -> inference ->
-  model -> checkpoint, attention -> the root modules (config, tokenizer, _checks). parallel sits above
+  model -> checkpoint, attention -> the root modules (config, tokenizer, _checks, _native). parallel sits above
   the engine (PD disaggregation drives two engines) and below training (FSDP shards a model to train);
 - every module imports on its own.
 """
@@ -23,7 +23,7 @@ ROOT_NAME = "mini_transformer"
 
 # Floors, lowest first. A module may import from its own floor's subpackage and from lower floors only.
 FLOORS = [
-    {"config", "tokenizer", "_checks"},
+    {"config", "tokenizer", "_checks", "_native"},
     {"attention", "checkpoint"},
     {"model"},
     {"inference"},

@@ -28,12 +28,11 @@ memory bound here), and it would add activation rounding; int8 keeps the compile
 
 from __future__ import annotations
 
-import hashlib
-import os
-import platform
 from functools import cache
 
 import torch
+
+from .._native import build
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -173,33 +172,11 @@ def int4_gemv_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tens
     return (scale * dx[:, None] * dot).sum(dim=-1) + xg.sum(dim=-1) @ low.T  # (M, N)
 
 
-def _build_name() -> str:
-    """The extension's name: the CPU's flags are part of it, since it is built with -march=native and a
-    shared cache directory might otherwise hand one machine's build to another CPU."""
-    flags = ""
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    key = f"{platform.machine()} {flags} {torch.__version__}"
-    return "mt_gemv_" + hashlib.sha256(key.encode()).hexdigest()[:12]
-
-
 @cache
 def kernel_available() -> bool:
-    """Build (first call in a process: ~30 s, then cached on disk) and load the C++ kernel; False where it
-    cannot be built (no compiler, not x86/Linux) or MT_GEMV_KERNEL=0 asks for the PyTorch reference."""
-    if os.environ.get("MT_GEMV_KERNEL", "1") == "0" or platform.system() != "Linux":
-        return False
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        load_inline(_build_name(), cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native"],
-                    is_python_module=False, verbose=False)
-    except Exception as error:  # noqa: BLE001 - any build failure means: use the reference
-        import warnings
-
-        warnings.warn(f"the int4 C++ kernel could not be built ({error}); using the PyTorch reference",
-                      stacklevel=2)
+    """Build and load the C++ kernel (first call in a process); False where it cannot be built or
+    MT_NATIVE_KERNELS=0 asks for the PyTorch reference."""
+    if not build("mt_gemv", _SOURCE, "int4 GEMV"):
         return False
     torch.library.register_fake("mt_gemv::int4")(_gemv_shape)
     return True
