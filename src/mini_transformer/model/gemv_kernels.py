@@ -188,7 +188,8 @@ def kernel_groups_ok(group_size: int) -> bool:
     return group_size == 32 or group_size % 64 == 0
 
 
-def int4_gemv_reference(x: torch.Tensor, packed: torch.Tensor, scale_low: torch.Tensor, group_size: int) -> torch.Tensor:
+def int4_gemv_reference(x: torch.Tensor, packed: torch.Tensor, scale_low: torch.Tensor,
+                        group_size: int) -> torch.Tensor:
     """x (M, K) float32, packed (N, K/2) uint8, scale_low (N, G, 2) -> (M, N) float32: the kernel's
     arithmetic in PyTorch. The integer dot products run as a float32 matmul, which is exact here: every
     product and partial sum is an integer below 15 * 127 * group_size < 2**24 (group_size <= 8192)."""
