@@ -28,9 +28,11 @@ Bytes per row, one stream: a row's (G, 2) scale and low sit side by side (`scale
 and the kernel's weights are exactly Int4Linear's). Two rows per iteration (shared activation loads)
 gave nothing more.
 
-int8 weights do NOT go this way: measured over 36 768 x 2048 matrices (56.6 MB, 1 thread) the same
-VNNI loop for int8 x int8 ran at the speed of inductor's fused int8 -> float reduction (~19 GB/s both, the
-memory bound here), and it would add activation rounding; int8 keeps the compiled reduction (quantize.py).
+int8 weights do NOT go this way (yet): an int8 x int8 VNNI loop (activations rounded to int8 per 128,
+|x| as u8 times the weights with x's sign, ggml's q8_0 x q8_0 idea) was 7-11% faster than inductor's fused
+int8 -> float reduction on the Llama's 61 int8 matrices (100.5 MB: 3.97 against 4.27 ms, same process), but
+it adds activation rounding (~1% relative error per output, and compiled/eager tokens that part at near
+ties, as int4's do); int8 keeps the compiled reduction (quantize.py). docs/08 has the numbers.
 """
 
 from __future__ import annotations
