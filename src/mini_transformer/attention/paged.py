@@ -18,17 +18,19 @@ copied to the device in ONE copy (pinned memory, non_blocking on CUDA):
     query_start_loc (S+1,)  sequence s owns packed tokens query_start_loc[s] .. query_start_loc[s+1]-1
 
 Two ways to attend, one per kind of row, both reading only those fields:
-  decode rows (1 query): `paged_decode_attention` reads K/V block by block through the block table
-      (no gathered copy). Compiled (torch.compile), inductor turns the `[block_tables]` indexing into
-      loads inside the score and weighted-sum reductions, so no (S, L, Hkv, D) tensor is ever written:
-      the FlashAttention idea of stage 4 applied to pages. `triton_paged.py` is the same on a GPU.
+  decode rows (1 query): `paged_decode_attention` is the readable reference (it gathers when run
+      eagerly). The engine runs, on the CPU, the C++ kernel of `paged_cpu.py`: per (sequence, kv head)
+      it walks the block table with an online softmax, no gathered copy, no padding (the FlashAttention
+      idea of stage 4 applied to pages); where it cannot be built, the reference through torch.compile
+      (inductor turns the `[block_tables]` indexing into loads inside the reductions).
+      `triton_paged.py` is the same on a GPU.
   prefill rows (a chunk of queries): gathered into left-padded keys and right-aligned queries, and run
       through the ordinary contiguous backend with a key padding mask (queries sit at the end of the
       keys, so no new mask logic). This copy pays where many queries share each key.
 
     meta = PagedAttentionMetadata.build(block_tables, context_lens, query_lens, block_size, device)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)     # the new tokens' K/V into their slots
-    out = paged_attention(q, k_cache, v_cache, meta)         # (N, H, D)
+    out = paged_attention(q, k_cache, v_cache, meta, decode=decode_attention_for("cpu"))  # (N, H, D)
 
 Shapes: q (N, H, D) packed; k, v (N, Hkv, D); k_cache, v_cache (num_slots, Hkv, D) for one layer.
 """
@@ -43,8 +45,9 @@ import numpy as np
 import torch
 
 from .naive import naive_attention
+from .paged_cpu import KERNEL_DTYPES, decode_kernel_available, paged_decode_kernel
 
-__all__ = ["PagedAttentionMetadata", "paged_attention", "paged_decode_attention", "write_kv"]
+__all__ = ["PagedAttentionMetadata", "decode_attention_for", "paged_attention", "paged_decode_attention", "write_kv"]
 
 
 @dataclass
@@ -165,6 +168,24 @@ def compiled_decode_attention(q, k_cache, v_cache, block_tables, context_lens, b
     return _compiled_decode(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
 
 
+def decode_attention_for(device: torch.device | str, enforce_eager: bool = False) -> Callable:
+    """The decode rows' attention the engine runs on `device`, chosen once. On the CPU: the C++ kernel
+    (paged_cpu.py) where it builds, for fp32/bf16/fp16 pools (float64 runs the reference); where it cannot
+    be built, the reference through torch.compile, or eagerly with `enforce_eager`. Elsewhere: the eager
+    reference (a GPU engine on the `triton` backend uses triton_paged.py instead)."""
+    if torch.device(device).type != "cpu":
+        return paged_decode_attention
+    fallback = paged_decode_attention if enforce_eager else compiled_decode_attention
+    if not decode_kernel_available():
+        return fallback
+
+    def kernel_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size: int, scale: float):
+        run = paged_decode_kernel if q.dtype in KERNEL_DTYPES else fallback
+        return run(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
+
+    return kernel_decode_attention
+
+
 def _naive(q, k, v, key_padding_mask):
     return naive_attention(q, k, v, causal=True, key_padding_mask=key_padding_mask, dropout_p=0.0,
                            scale=1.0 / math.sqrt(q.shape[-1]))
@@ -199,17 +220,17 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: PagedAttentionMetadata,
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
-    compiled: bool = False,
+    decode: Callable = paged_decode_attention,
 ) -> torch.Tensor:
     """Causal attention of the packed queries q (N, H, D) over each sequence's keys in the pool.
 
-    Decode rows: paged_decode_attention (`compiled=True`: through torch.compile). Prefill rows: gathered
+    Decode rows: `decode`, paged_decode_attention's signature (default: that reference itself; the engine
+    passes decode_attention_for(device): the C++ kernel on the CPU). Prefill rows: gathered
     and padded, then `attend(q, k, v, key_padding_mask)`, a contiguous causal attention with queries at the
     end of the keys (default: the naive reference; the model passes its own `Attend`, so the configured
     backend runs). Returns (N, H, D) in the order of q."""
     attend = attend or _naive
     N, H, D = q.shape
-    decode = compiled_decode_attention if compiled else paged_decode_attention
     scale = 1.0 / math.sqrt(D)
     if meta.is_decode_only:  # the common step: every row is one token, already in sequence order
         return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size, scale)
