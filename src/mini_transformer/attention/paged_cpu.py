@@ -54,6 +54,19 @@ static inline __m512 load16(const at::BFloat16* p) {  // bf16 is the top half of
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 static inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+// e^x in 16 lanes: e^x = 2^k e^r with k = round(x / ln 2) and r = x - k ln 2 (|r| <= ln 2 / 2, ln 2 in two
+// parts so r is exact); e^r by its Taylor series to degree 7 (error < 1e-8, below fp32's), 2^k by scalef.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 is 0 in fp32 already
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);  // Horner: 1 + r + r^2/2! + ... + r^7/7!
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, k);
+}
 #endif
 
 // q . k over D, q already fp32
@@ -81,54 +94,80 @@ static inline void add_scaled(float* acc, float p, const T* v, int64_t D) {
   for (; d < D; ++d) acc[d] += p * static_cast<float>(v[d]);
 }
 
-// One (sequence, kv head): G query heads q (G, D) fp32 pre-scaled, walk the blocks, write out (G, D).
+// The online softmax's step for one query head and one block of scores x (n,): x becomes exp(x - m'),
+// the running max m becomes m', the running sum l takes the block's weights; returns exp(m - m'), the factor
+// by which everything accumulated before this block must shrink.
+static inline float online_softmax_step(float* x, int64_t n, float& m, float& l) {
+  const float new_m = std::max(m, *std::max_element(x, x + n));
+  float sum = 0.f;
+  int64_t t = 0;
+#ifdef MT_AVX512
+  for (; t < n; t += 16) {  // 16 scores at a time, the lanes past n masked off
+    const __mmask16 live = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+    const __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, x + t), _mm512_set1_ps(new_m)));
+    _mm512_mask_storeu_ps(x + t, live, p);
+    sum += _mm512_mask_reduce_add_ps(live, p);
+  }
+#endif
+  for (; t < n; ++t) {
+    x[t] = std::exp(x[t] - new_m);
+    sum += x[t];
+  }
+  const float rescale = std::exp(m - new_m);  // 0 for the first block (m = -inf)
+  l = l * rescale + sum;
+  m = new_m;
+  return rescale;
+}
+
+// One task: `heads` query heads of one sequence, q (heads, D) fp32 pre-scaled; query head i reads kv head
+// i / group of each pool row. Walk the sequence's blocks with the online softmax, write out (heads, D).
 template <typename T>
 static void attend_one(const float* q, const T* k_pool, const T* v_pool, const int64_t* table, int64_t n_keys,
-                       int64_t block_size, int64_t row_stride, int64_t G, int64_t D,
-                       float* acc, float* scores, T* out, int64_t out_head_stride) {
-  std::vector<float> m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f);
-  std::fill(acc, acc + G * D, 0.f);
+                       int64_t block_size, int64_t row_stride, int64_t heads, int64_t group, int64_t D,
+                       float* acc, float* scores, T* out) {
+  const int64_t row_bytes = heads / group * D * sizeof(T);  // the part of a pool row this task reads
+  std::vector<float> m(heads, -std::numeric_limits<float>::infinity()), l(heads, 0.f);
+  std::fill(acc, acc + heads * D, 0.f);
   for (int64_t start = 0, j = 0; start < n_keys; start += block_size, ++j) {
     const int64_t n = std::min(block_size, n_keys - start);  // keys of this block that exist
     const int64_t first_slot = table[j] * block_size;
-    for (int64_t t = 0; t < n; ++t) {  // scores (G, n): each key row read once for all G heads
-      const T* k = k_pool + (first_slot + t) * row_stride;
-      for (int64_t g = 0; g < G; ++g) scores[g * block_size + t] = dot(q + g * D, k, D);
+    if (start + block_size < n_keys) {  // ask for the next block now: it lies anywhere, no prefetcher guesses it
+      const int64_t next = table[j + 1] * block_size;
+      for (int64_t t = 0; t < block_size; ++t)
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+          __builtin_prefetch((const char*)(k_pool + (next + t) * row_stride) + byte);
+          __builtin_prefetch((const char*)(v_pool + (next + t) * row_stride) + byte);
+        }
     }
-    for (int64_t g = 0; g < G; ++g) {  // turn scores into weights exp(x - m'), rescale what came before
-      float* x = scores + g * block_size;
-      const float new_m = std::max(m[g], *std::max_element(x, x + n));
-      const float rescale = std::exp(m[g] - new_m);  // 0 for the first block (m = -inf)
-      if (rescale != 1.f) {
-        for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= rescale;
-        l[g] *= rescale;
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        x[t] = std::exp(x[t] - new_m);
-        l[g] += x[t];
-      }
-      m[g] = new_m;
+    for (int64_t t = 0; t < n; ++t) {  // scores (heads, n): each key row read once for all its query heads
+      const T* k = k_pool + (first_slot + t) * row_stride;
+      for (int64_t i = 0; i < heads; ++i) scores[i * block_size + t] = dot(q + i * D, k + (i / group) * D, D);
+    }
+    for (int64_t i = 0; i < heads; ++i) {  // scores -> weights; shrink what came before if the max grew
+      const float rescale = online_softmax_step(scores + i * block_size, n, m[i], l[i]);
+      if (rescale != 1.f)
+        for (int64_t d = 0; d < D; ++d) acc[i * D + d] *= rescale;
     }
     for (int64_t t = 0; t < n; ++t) {  // acc += weights @ V_j, each value row read once
       const T* v = v_pool + (first_slot + t) * row_stride;
-      for (int64_t g = 0; g < G; ++g) add_scaled(acc + g * D, scores[g * block_size + t], v, D);
+      for (int64_t i = 0; i < heads; ++i) add_scaled(acc + i * D, scores[i * block_size + t], v + (i / group) * D, D);
     }
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) out[g * out_head_stride + d] = static_cast<T>(acc[g * D + d] / l[g]);
+  for (int64_t i = 0; i < heads; ++i)
+    for (int64_t d = 0; d < D; ++d) out[i * D + d] = static_cast<T>(acc[i * D + d] / l[i]);
 }
 
 template <typename T>
 static void decode_all(const float* q, const T* k_pool, const T* v_pool, const int64_t* tables, const int64_t* lens,
                        T* out, int64_t S, int64_t H, int64_t Hkv, int64_t D, int64_t B, int64_t block_size) {
   const int64_t G = H / Hkv;  // query heads per kv head
-  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(G * D), scores(G * block_size);  // scratch, reused by this thread's tasks
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / Hkv, h = task % Hkv;
-      attend_one(q + (s * H + h * G) * D, k_pool + h * D, v_pool + h * D, tables + s * B, lens[s], block_size,
-                 Hkv * D, G, D, acc.data(), scores.data(), out + (s * H + h * G) * D, D);
-    }
+  // one task per sequence, all its heads: a pool row holds every kv head of a token side by side, so the
+  // task reads whole rows (measured: bf16 pools 0.86 vs 1.18 ms a layer with a task per kv head)
+  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(H * D), scores(H * block_size);  // scratch, reused by this thread's tasks
+    for (int64_t s = begin; s < end; ++s)
+      attend_one(q + s * H * D, k_pool, v_pool, tables + s * B, lens[s], block_size, Hkv * D, H, G, D,
+                 acc.data(), scores.data(), out + s * H * D);
   });
 }
 
