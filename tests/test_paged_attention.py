@@ -241,3 +241,21 @@ def test_triton_kernel_on_cuda_equals_contiguous(dtype, tolerance):
     assert (out.double().cpu() - reference).abs().max() <= tolerance
     gathered = paged_attention(q.to(**to), k_cache, v_cache, meta)
     assert (gathered.double().cpu() - reference).abs().max() <= tolerance
+
+
+FALLBACK = """
+from mini_transformer.attention.paged import compiled_decode_attention, decode_attention_for, paged_decode_attention
+assert decode_attention_for("cpu") is compiled_decode_attention
+assert decode_attention_for("cpu", enforce_eager=True) is paged_decode_attention
+print("fallback")
+"""
+
+
+def test_without_the_cpp_kernel_the_engine_decodes_through_the_compiled_reference():
+    """MT_NATIVE_KERNELS=0 (as where no compiler is found): the CPU decode path is the reference, compiled,
+    or eager under enforce_eager."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, MT_NATIVE_KERNELS="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", FALLBACK], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "fallback" in done.stdout, done.stderr[-2000:]

@@ -128,3 +128,29 @@ def test_kernel_with_peaked_scores(sharpness):
     reference_error = (paged_decode_attention(q, k_cache, v_cache, *args).double() - exact).abs().max()
     kernel_error = (kernel(q, k_cache, v_cache, meta).double() - exact).abs().max()
     assert kernel_error <= max(1.5 * reference_error, 1e-6) and kernel_error <= 1e-6 * sharpness
+
+
+def test_the_cpu_engine_decodes_through_the_kernel(monkeypatch):
+    """LLMEngine on the CPU runs its decode rows through the kernel (decode-only steps and, with a budget
+    of 7 tokens, decode rows beside prefill chunks), and its greedy output equals generate() alone."""
+    from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
+    from mini_transformer.attention import paged
+    from mini_transformer.engine import LLMEngine
+
+    calls = []
+
+    def counted(q, *args):
+        calls.append(q.shape[0])
+        return paged_decode_kernel(q, *args)
+
+    monkeypatch.setattr(paged, "paged_decode_kernel", counted)
+    cfg = TransformerConfig(vocab_size=50, d_model=64, n_heads=4, n_kv_heads=2, n_layer=2, d_ff=64, max_seq_len=64,
+                            pos_emb="rope", norm="rmsnorm", ffn="swiglu", bias=False, init_std=0.2)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).eval()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 50, (n,), generator=gen).tolist() for n in (5, 19, 9, 26, 1)]
+    engine = LLMEngine(model, block_size=4, num_blocks=100, max_num_batched_tokens=7)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)
+    assert outputs == [generate(model, torch.tensor([p]), 8)[0].tolist() for p in prompts]
+    assert engine.stats()["mixed_steps"] > 0 and max(calls) > 1  # several sequences in one call
