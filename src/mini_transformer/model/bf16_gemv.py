@@ -119,7 +119,8 @@ static void rows(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_
 
 // x (M, K) bf16, weight (N, K) bf16, bias (N,) bf16 or None -> (M, N) bf16
 torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "mt_bf16::gemv: x (M, K), weight (N, K)");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "mt_bf16::gemv: x (M, K), weight (N, K)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "mt_bf16::gemv: bf16 inputs");
   x = x.contiguous(), weight = weight.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
