@@ -1,12 +1,14 @@
 """bf16 decode on the CPU: the AVX512_BF16 GEMV (model/bf16_gemv.py) alone, and bf16 compiled decode
 against fp32 compiled decode on the 124.7M Llama of issue 28 (vs_llama_cpp.py's layout, random weights).
 
-  gemv    every weight matrix of the model (84 linears + the head: 249 MB in bf16), one row x at a time:
+  gemv    every weight matrix of the model (60 linears + the head: 200 MB in bf16), one row x at a time:
           the kernel, eager bf16 F.linear (oneDNN), the same with the kernel off (compiled reduction,
           inductor) and fp32 F.linear; GB/s = weight bytes / time (the read roof is measured beside it)
   decode  generate(compile=True), 64-token prompt, --new-tokens greedy steps (timed from the first sampled
-          token to the last, as vs_llama_cpp.py), fp32 and bf16 alternating A B A B; greedy tokens of
-          compiled bf16 compared with eager bf16
+          token to the last, as vs_llama_cpp.py): fp32, bf16 through the kernel, and bf16 with the kernel off
+          (MT_NATIVE_KERNELS=0: inductor's fused reduction), in two worker processes taking turns A B C A B C;
+          how many greedy tokens of compiled bf16 equal eager bf16's before the first difference (a near
+          tie in bf16 flips it: see tests/test_bf16_gemv.py)
   ppl     perplexity of one random-token stream under fp32 and bf16 (random weights: only the ratio means
           anything - it says bf16 moves the model's predictions little)
 
@@ -18,7 +20,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -77,30 +82,69 @@ def timed_generate(model, prompt, n, compile_: bool = True):
     return stamps[-1] - stamps[0], tokens
 
 
-def run_decode(fp32: TransformerLM, bf16: TransformerLM, n: int, repeats: int, profile: bool) -> None:
-    prompt = torch.randint(3, LLAMA["vocab_size"], (1, 64))
-    _, tokens = timed_generate(bf16, prompt, n)  # warm-up + compile, both
-    timed_generate(fp32, prompt, n)
-    eager = generate(bf16, prompt, n)
-    same = next((i for i, (a, b) in enumerate(zip(tokens[0].tolist(), eager[0].tolist(), strict=True)) if a != b), n)
-    best = {"fp32": float("inf"), "bf16": float("inf")}
-    start_load = load()
-    for _ in range(repeats):  # A B A B
-        for name, model in (("fp32", fp32), ("bf16", bf16)):
-            best[name] = min(best[name], timed_generate(model, prompt, n)[0])
-    rows = [dict(method=f"{name} compiled", tok_s=(n - 1) / s) for name, s in best.items()]
-    print(f"\ndecode, batch 1, prompt 64, {n - 1} timed steps, best of {repeats} alternating runs; "
-          f"{start_load} at the start, {load()} at the end; compiled bf16 tokens == eager bf16 for the first "
-          f"{same} of {n}")
-    print(table(rows, {"method": "method", "tok_s": "tok/s"}, ratio=("tok_s", "fp32 compiled"),
-                ratio_title="x fp32 compiled", higher_is_better=True))
-    if profile:
-        from torch.profiler import profile as torch_profile
+def worker(n: int) -> None:
+    """One process, one configuration (the kernel on, or MT_NATIVE_KERNELS=0): loads both models, compiles on
+    the first run of each, then times a run per request line ("fp32" / "bf16" / "eager-bf16")."""
+    fp32 = llama()
+    models = {"fp32": fp32, "bf16": copy.deepcopy(fp32).to(torch.bfloat16)}
+    prompt = torch.randint(3, LLAMA["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(2))
+    for line in sys.stdin:
+        name = line.strip()
+        seconds, tokens = timed_generate(models[name.removeprefix("eager-")], prompt, n, not name.startswith("eager"))
+        print(json.dumps({"seconds": seconds, "tokens": tokens[0].tolist()}), flush=True)
 
-        with torch_profile() as prof:
-            timed_generate(bf16, prompt, n)
-        print(f"\nprofile of {n} bf16 compiled decode steps (and one prefill): ops by self CPU time")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+
+class Worker:
+    def __init__(self, n: int, threads: int, kernel: bool):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MT_NATIVE_KERNELS": "1" if kernel else "0"}
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", str(n), "--threads", str(threads)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def run(self, name: str) -> dict:
+        self.proc.stdin.write(name + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def run_decode(n: int, repeats: int, threads: int) -> None:
+    """fp32 compiled, bf16 compiled through the kernel, bf16 compiled through inductor's reduction (the kernel
+    off, in a second process): each compiled once, then timed in turns, A B C A B C."""
+    on, off = Worker(n, threads, kernel=True), Worker(n, threads, kernel=False)
+    runs = {"fp32 compiled": (on, "fp32"), "bf16 compiled, kernel": (on, "bf16"),
+            "bf16 compiled, inductor reduction": (off, "bf16")}
+    tokens = {name: w.run(model)["tokens"] for name, (w, model) in runs.items()}  # warm-up + compile
+    eager = on.run("eager-bf16")["tokens"]
+    best = dict.fromkeys(runs, float("inf"))
+    start_load = load()
+    for _ in range(repeats):
+        for name, (w, model) in runs.items():
+            best[name] = min(best[name], w.run(model)["seconds"])
+    on.close()
+    off.close()
+
+    def same(a):
+        return next((i for i, (x, y) in enumerate(zip(a, eager, strict=True)) if x != y), n)
+    rows = [dict(method=name, tok_s=(n - 1) / s, ms=1e3 * s / (n - 1), eager=same(tokens[name]) if "bf16" in name
+                 else "-") for name, s in best.items()]
+    print(f"\ndecode, batch 1, prompt 64, {n - 1} timed steps, best of {repeats} alternating runs; "
+          f"{start_load} at the start, {load()} at the end")
+    print(table(rows, {"method": "method", "tok_s": "tok/s", "ms": "ms/step", "eager": f"= eager bf16 tokens (of {n})"},
+                ratio=("tok_s", "fp32 compiled"), ratio_title="x fp32 compiled", higher_is_better=True))
+
+
+def run_profile(bf16: TransformerLM, n: int) -> None:
+    from torch.profiler import profile as torch_profile
+
+    prompt = torch.randint(3, LLAMA["vocab_size"], (1, 64))
+    timed_generate(bf16, prompt, n)  # compile
+    with torch_profile() as prof:
+        timed_generate(bf16, prompt, n)
+    print(f"\nprofile of {n} bf16 compiled decode steps (and one prefill): ops by self CPU time; {load()}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=50))
 
 
 @torch.inference_mode()
@@ -118,9 +162,12 @@ def main(argv=None) -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="profile a bf16 compiled run after timing")
+    p.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # run_decode's processes
     add_common_args(p, threads=1, device=False, plot=None)
     args = p.parse_args(argv)
     apply_common_args(args)
+    if args.worker:
+        return worker(args.worker)
     print(f"threads {args.threads}; kernel built with AVX512_BF16: {kernel_available()}; {load()}")
     _, read = measure_bandwidth("cpu")
     print(f"read bandwidth (sum of 256 MB fp32): {read / 1e9:.1f} GB/s; {load()}")
@@ -129,7 +176,9 @@ def main(argv=None) -> None:
     if "gemv" in args.parts:
         run_gemv(fp32, args.repeats * 3)
     if "decode" in args.parts:
-        run_decode(fp32, bf16, args.new_tokens, args.repeats, args.profile)
+        run_decode(args.new_tokens, args.repeats, args.threads)
+    if args.profile:
+        run_profile(bf16, args.new_tokens)
     if "ppl" in args.parts:
         run_perplexity(fp32, bf16)
 
