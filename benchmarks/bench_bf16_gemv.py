@@ -9,8 +9,8 @@ against fp32 compiled decode on the 124.7M Llama of issue 28 (vs_llama_cpp.py's 
           (MT_NATIVE_KERNELS=0: inductor's fused reduction), in two worker processes taking turns A B C A B C;
           how many greedy tokens of compiled bf16 equal eager bf16's before the first difference (a near
           tie in bf16 flips it: see tests/test_bf16_gemv.py)
-  ppl     perplexity of one random-token stream under fp32 and bf16 (random weights: only the ratio means
-          anything - it says bf16 moves the model's predictions little)
+  ppl     a small char model trained here, held-out perplexity scored token by token through the compiled
+          decode step: fp32, bf16 (through the kernel), and bf16 eager forwards
 
     OMP_NUM_THREADS=1 python benchmarks/bench_bf16_gemv.py --threads 1
     python benchmarks/bench_bf16_gemv.py --threads 1 --parts decode --profile   # where a bf16 step goes
@@ -21,9 +21,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -147,13 +149,51 @@ def run_profile(bf16: TransformerLM, n: int) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=50))
 
 
-@torch.inference_mode()
-def run_perplexity(fp32: TransformerLM, bf16: TransformerLM) -> None:
-    torch.manual_seed(1)
-    ids = torch.randint(0, LLAMA["vocab_size"], (4, 129))
-    ppl = {name: float(m(ids[:, :-1], targets=ids[:, 1:])[1].exp()) for name, m in (("fp32", fp32), ("bf16", bf16))}
-    print(f"\nperplexity, random weights, 4 x 128 random tokens: fp32 {ppl['fp32']:.3f}, bf16 {ppl['bf16']:.3f} "
-          f"({ppl['bf16'] / ppl['fp32']:.5f}x fp32)")
+def run_perplexity(steps: int, data: str | None) -> None:
+    """A small Llama-style char model trained here (2 x 96: K = 96 and 256 take the kernel's full chunks and,
+    for 96, no tail; 8 held-out windows in one batch = 8 rows), scored token by token the way decode runs:
+    8 prompt tokens prefilled, then 56 single-token steps of the compiled step (bf16: the kernel), each
+    predicting the next token. Against fp32 through the same compiled step and bf16 eager full forwards."""
+    from mini_transformer.inference.static_cache import StaticCache, compiled_decode_step
+    from mini_transformer.tokenizer import load_tokenizer
+    from mini_transformer.training import TrainConfig, train
+    from mini_transformer.training.data import load_text, split_tokens
+
+    root = tempfile.mkdtemp(prefix="bench-bf16-")
+    cfg = TrainConfig(data=data, max_steps=steps, batch_size=16, block_size=64, eval_interval=steps, eval_batches=2,
+                      num_samples=0, device="cpu", out_dir=root, progress=False)
+    layout = TransformerConfig(vocab_size=65, d_model=96, n_heads=4, n_kv_heads=2, n_layer=2, d_ff=256, max_seq_len=64,
+                               pos_emb="rope", norm="rmsnorm", ffn="swiglu", bias=False, tie_weights=False)
+    result = train(cfg, layout)
+    result.model.save_pretrained(root + "/model")
+    result.tokenizer.save(root + "/model")
+    fp32 = TransformerLM.from_pretrained(root + "/model", attn_backend="sdpa").eval()
+    text, _ = load_text(data)
+    _, val = split_tokens(torch.tensor(load_tokenizer(root + "/model").encode(text)), 64)
+    windows = val[:8 * 65].view(8, 65)  # (8, 65): 64 inputs + the last target
+    prompt, targets = windows[:, :8], windows[:, 8:]  # 56 decode steps, each scored on the next token
+
+    def decode_nll(model):
+        cache = StaticCache.for_model(model.config, 8, 64, dtype=model.tok_emb.weight.dtype)
+        step, nll = compiled_decode_step("cpu"), []
+        with torch.inference_mode():
+            logits = model(prompt, cache=cache, check=False)[0][:, -1]
+            for t in range(56):
+                nll.append(F.cross_entropy(logits.float(), targets[:, t]))
+                logits = step(model, targets[:, t], cache)
+        return float(torch.stack(nll).mean())
+
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    with torch.inference_mode():
+        eager = float(F.cross_entropy(bf16(windows[:, :-1])[0][:, 7:].float().flatten(0, 1),
+                                      windows[:, 8:].reshape(-1)))
+    rows = {"fp32 compiled decode": decode_nll(fp32), "bf16 compiled decode (kernel)": decode_nll(bf16),
+            "bf16 eager forward": eager}
+    print(f"\nperplexity of a 2 x 96 char model trained {steps} steps here, 8 held-out windows, positions 8-63; "
+          f"{load()}")
+    for name, nll in rows.items():
+        ratio = math.exp(nll - rows["fp32 compiled decode"])
+        print(f"  {name:>30}: {math.exp(nll):.4f}  ({ratio:.4f}x fp32)")
 
 
 def main(argv=None) -> None:
@@ -161,6 +201,8 @@ def main(argv=None) -> None:
     p.add_argument("--parts", nargs="+", default=["gemv", "decode", "ppl"], choices=["gemv", "decode", "ppl"])
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--train-steps", type=int, default=300, help="ppl: steps of the small char model")
+    p.add_argument("--data", default=None, help="ppl: text to train on (default: tiny shakespeare)")
     p.add_argument("--profile", action="store_true", help="profile a bf16 compiled run after timing")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # run_decode's processes
     add_common_args(p, threads=1, device=False, plot=None)
@@ -180,7 +222,7 @@ def main(argv=None) -> None:
     if args.profile:
         run_profile(bf16, args.new_tokens)
     if "ppl" in args.parts:
-        run_perplexity(fp32, bf16)
+        run_perplexity(args.train_steps, args.data)
 
 
 if __name__ == "__main__":
