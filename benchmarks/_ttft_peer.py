@@ -1,0 +1,137 @@
+"""bench_server.py --hf-peer, lone TTFT: where a lone request's time to first token goes, ours and HF's.
+
+Both servers run at once (an idle server waits without using the CPU) and get one streamed request at a
+time, alternating request by request (ours, HF, then HF, ours, ...), so the shared machine's drift falls
+on both alike. Every request has a fresh prompt of random words that no server has seen (both have
+prefix caching: a prompt seen before would skip most of its prefill), `max_tokens` 8, and TTFT = send ->
+first chunk with text, as bench_server.py measures it.
+
+Then, in this process, the floor: one bare forward pass of each model over a prompt of the same length,
+our TransformerLM and HF's LlamaForCausalLM loaded from the same directory, logits at the last position
+only (as both servers compute), alternating too. A server's TTFT minus its model's forward is what HTTP,
+the queues, the engine step's bookkeeping and the first chunk add; the forward is the part no server
+can skip, so `our forward / HF's TTFT` is the best ratio our server could reach with that model code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+from _server_peer import VOCAB, body, free_port, saturate, server_commands, start, stop
+
+NEW_TOKENS = 8  # per lone request: the first chunk is what is timed
+
+
+def fresh_prompt(rng: random.Random, n: int) -> str:
+    return " ".join(f"w{rng.randrange(VOCAB)}" for _ in range(n))
+
+
+async def first_chunk_s(name: str, url: str, model: str, prompt: str) -> float:
+    """Seconds from sending one streamed request (a new connection) to its first chunk with text."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        began, first = time.perf_counter(), None
+        async with client.stream("POST", "/v1/completions", json=body(name, model, prompt, NEW_TOKENS, True)) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"{name}: HTTP {r.status_code} {await r.aread()}")
+            async for line in r.aiter_lines():  # read to the end: the next request finds the server idle
+                if first is None and line.startswith("data: ") and line != "data: [DONE]":
+                    choices = json.loads(line[6:]).get("choices") or [{}]
+                    if choices[0].get("text"):
+                        first = time.perf_counter() - began
+    if first is None:
+        raise RuntimeError(f"{name}: the stream had no text")
+    return first
+
+
+def lone_ttfts(urls: dict[str, str], model: str, lengths: list[int], reps: int, rng: random.Random) -> dict:
+    """{(server, prompt length): [TTFT ms, ...]}, one request at a time, the order alternating."""
+    out = {(name, n): [] for name in urls for n in lengths}
+    names = list(urls)
+    for i in range(reps):
+        for j, n in enumerate(lengths):
+            for name in names if (i + j) % 2 == 0 else names[::-1]:
+                seconds = asyncio.run(first_chunk_s(name, urls[name], model, fresh_prompt(rng, n)))
+                out[name, n].append(1000 * seconds)
+    return out
+
+
+def forward_floors(model_dir: Path, names: list[str], lengths: list[int], reps: int, rng: random.Random) -> dict:
+    """{(model, prompt length): [ms, ...]}: one bare forward (no cache, last position's logits), in this
+    process, with this process's thread count; our model and HF's alternate."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from mini_transformer.model.transformer import TransformerLM
+
+    ours = TransformerLM.from_pretrained(model_dir).eval()
+    models = {"ours": lambda x: ours(x, logits_at=torch.tensor([x.shape[1] - 1]), check=False)}
+    if "hf" in names:
+        hf = LlamaForCausalLM.from_pretrained(model_dir).eval()
+        models["hf"] = lambda x: hf(x, logits_to_keep=1, use_cache=False)
+    out = {(name, n): [] for name in models for n in lengths}
+    with torch.inference_mode():
+        for forward in models.values():  # warm up: the first calls allocate
+            forward(torch.zeros(1, max(lengths), dtype=torch.long))
+        for i in range(reps):
+            for n in lengths:
+                x = torch.tensor([[rng.randrange(VOCAB) for _ in range(n)]])
+                for name in list(models) if i % 2 == 0 else list(models)[::-1]:
+                    began = time.perf_counter()
+                    forward(x)
+                    out[name, n].append(1000 * (time.perf_counter() - began))
+    return out
+
+
+def run_lone_ttft(model_dir: Path, names: list[str], args, log_dir: Path) -> None:
+    lengths = [int(x) for x in args.ttft_lengths.split(",")]
+    rng = random.Random(args.seed + 7)
+    load_before = os.getloadavg()[0]
+    servers, urls = [], {}
+    try:
+        for name in names:  # both up at once; each warmed up like the saturated runs
+            port = free_port()
+            proc, url, _ = start(server_commands(model_dir, port, args)[name], port, args.threads,
+                                 log_dir / f"{name}-ttft.log")
+            servers.append(proc)
+            asyncio.run(saturate(name, url, str(model_dir), [fresh_prompt(rng, 8), fresh_prompt(rng, 9)], 4))
+            urls[name] = url
+        ttft = lone_ttfts(urls, str(model_dir), lengths, args.lone_requests, rng)
+    finally:
+        for proc in servers:
+            stop(proc)
+    floor = forward_floors(model_dir, names, lengths, args.lone_requests, rng)
+    report(ttft, floor, names, lengths, args, load_before)
+
+
+def report(ttft: dict, floor: dict, names: list[str], lengths: list[int], args, load_before: float) -> None:
+    med = {key: statistics.median(values) for key, values in {**{("ttft",) + k: v for k, v in ttft.items()},
+                                                              **{("fwd",) + k: v for k, v in floor.items()}}.items()}
+    print(f"\nlone TTFT: {args.lone_requests} streamed requests per server and prompt length, one at a time, "
+          f"alternating ours/HF request by request, fresh prompts (no prefix-cache hit), {NEW_TOKENS} new tokens; "
+          f"forward = one bare forward of the model in this process ({args.threads} thread(s)); medians; "
+          f"uptime load {load_before:.2f} before, {os.getloadavg()[0]:.2f} after\n")
+    if "hf" not in names:
+        print("| prompt tokens | ours TTFT ms | our forward ms | TTFT − forward ms |\n|---:|---:|---:|---:|")
+        for n in lengths:
+            o, f = med["ttft", "ours", n], med["fwd", "ours", n]
+            print(f"| {n} | {o:.1f} | {f:.1f} | {o - f:.1f} |")
+        return
+    print("| prompt tokens | ours TTFT ms | HF TTFT ms | ours / HF | our forward ms | HF forward ms "
+          "| ours − forward ms | HF − forward ms | floor: our forward / HF TTFT |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ratios = []
+    for n in lengths:
+        o, h, fo, fh = med["ttft", "ours", n], med["ttft", "hf", n], med["fwd", "ours", n], med["fwd", "hf", n]
+        ratios.append(o / h)
+        print(f"| {n} | {o:.1f} | {h:.1f} | {o / h:.2f} | {fo:.1f} | {fh:.1f} | {o - fo:.1f} | {h - fh:.1f} "
+              f"| {fo / h:.2f} |")
+    print(f"\nlone TTFT ours / HF per prompt length: {', '.join(f'{r:.2f}' for r in ratios)} (target ≤ 0.4: "
+          f"{'met' if max(ratios) <= 0.4 else 'MISSED'})")
