@@ -45,7 +45,7 @@ from mini_transformer import TransformerConfig, TransformerLM, generate
 from mini_transformer.parallel import run_processes, shard_expert_parallel, shard_tensor_parallel
 from mini_transformer.parallel.fsdp import local_bytes, shard_for_training, training_memory
 from mini_transformer.training.config import TrainConfig
-from mini_transformer.training.loop import make_optimizer
+from mini_transformer.training.optim import make_optimizer
 
 MB = 1e6  # decimal megabytes, as the docs write every size (KB = 1e3 below)
 

@@ -25,8 +25,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the llama.cpp worker runs this file in a Python without torch
+    import torch
 
 LLAMA = dict(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
              intermediate_size=2048, max_position_embeddings=1024, tie_word_embeddings=False, rms_norm_eps=1e-6)
@@ -52,6 +54,7 @@ def llama_python(args) -> str | None:
 def write_model(root: Path) -> Path:
     """The random Llama as a Hugging Face directory, with a small byte-level BPE tokenizer (the converter
     wants one; the ids above its size are padded by the converter; timing feeds ids, never text)."""
+    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -129,19 +132,26 @@ def worker() -> None:
             out = {"ok": True}
         else:  # run: prefill the prompt, then n - 1 timed greedy steps
             llm = models[req["key"]]
+            # the last token's logits, read where llama.cpp wrote them (Llama.scores is filled only with
+            # logits_all=True, which would copy every prompt row too)
+            def last(llm=llm):
+                return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
+
             llm.reset()
             llm.eval(req["prompt"])
-            tokens = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+            tokens = [int(np.argmax(last()))]
             start = time.perf_counter()
             for _ in range(req["n"] - 1):
                 llm.eval(tokens[-1:])
-                tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+                tokens.append(int(np.argmax(last())))
             out = {"seconds": time.perf_counter() - start, "tokens": tokens}
         print(json.dumps(out), flush=True)
 
 
 def our_models(model_dir: Path, group_size: int) -> dict:
     import copy
+
+    import torch
 
     from mini_transformer import TransformerLM
     from mini_transformer.model.quantize import quantize
@@ -172,6 +182,7 @@ def how_to_install(missing: str) -> None:
 
 
 def run(args) -> None:
+    import torch
     from decode_roofline import kv_bytes_per_slot, measure_bandwidth, weight_bytes
 
     from mini_transformer.inference.static_cache import static_length

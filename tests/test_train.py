@@ -23,7 +23,7 @@ from mini_transformer.training.io import (
     load_train_state,
     save_checkpoint,
 )
-from mini_transformer.training.loop import lr_at, make_optimizer
+from mini_transformer.training.optim import lr_at, make_optimizer
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TINY = dict(d_model=32, n_heads=2, n_layer=2, max_seq_len=16, attn_backend="sdpa")

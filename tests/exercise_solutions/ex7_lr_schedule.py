@@ -1,7 +1,7 @@
 """Exercise 7 answered by the project's own code: train.lr_at."""
 
 from mini_transformer.training.config import TrainConfig
-from mini_transformer.training.loop import lr_at as project_lr_at
+from mini_transformer.training.optim import lr_at as project_lr_at
 
 
 def lr_at(step, lr_max, lr_min, warmup, decay_steps):

@@ -24,6 +24,7 @@ from ..checkpoint import (
     write_checkpoint,
     write_manifest,
 )
+from .config import TrainConfig
 
 TRAIN_STATE_FILE = "train_state.pt"  # optimizer, step, RNG states, history: torch.load(weights_only=True)
 TRAIN_CONFIG_FILE = "train_config.json"  # the same TrainConfig, for people to read
@@ -196,3 +197,19 @@ def finish_run(cfg, model, tokenizer, text: str, losses, evals, out_dir: Path, d
     (out_dir / "samples.txt").write_text("\n\n-----\n\n".join(samples), encoding="utf-8")
     if cfg.progress:
         print("\n-----\n".join(samples))
+
+
+def check_resumable(cfg: TrainConfig, state: dict, ckpt: Path) -> None:
+    """The tokenizer is fixed by the checkpoint, and there must be steps (or end-of-run files) left."""
+    saved = state["train_config"]
+    names = ("tokenizer", "bpe_vocab_size") if saved.get("tokenizer") == "bpe" else ("tokenizer",)
+    for name in names:
+        if getattr(cfg, name) != saved.get(name):
+            raise ValueError(f"{name}={getattr(cfg, name)!r}, but the run in {ckpt} was trained with "
+                             f"{saved.get(name)!r}; a resumed run keeps its tokenizer (leave the option out)")
+    step, out_dir = state["step"], Path(cfg.out_dir)
+    end_files = END_OF_RUN_FILES if cfg.num_samples > 0 else END_OF_RUN_FILES[:1]  # loss.png [, samples.txt]
+    finished = all((out_dir / name).is_file() for name in end_files)
+    if step > cfg.max_steps or (step == cfg.max_steps and finished):
+        raise ValueError(f"the checkpoint {ckpt} is at step {step}; max_steps={cfg.max_steps} "
+                         f"leaves nothing to train (raise max_steps)")

@@ -1,4 +1,4 @@
-"""The training loop: AdamW, warmup + cosine, clipping, accumulation, autocast, eval, checkpoints, DDP.
+"""The training loop: eval, checkpoints, resume, DDP / FSDP / pipeline ranks (the step itself: optim.py).
 
     result = train(TrainConfig(data="pydoc", max_steps=200), TransformerConfig.from_preset("shakespeare-char"))
 
@@ -29,14 +29,15 @@ from ..tokenizer import build_tokenizer, check_vocab_size, load_tokenizer
 from .config import TrainConfig
 from .data import get_batch, load_text, split_tokens
 from .io import (
-    END_OF_RUN_FILES,
     TrainingDiverged,
+    check_resumable,
     find_checkpoint,
     finish_run,
     load_train_state,
     prepare_out_dir,
     save_checkpoint,
 )
+from .optim import apply_update, forward_backward, lr_at, make_optimizer
 from .runtime import (
     autocast_dtype,
     leave_process_group,
@@ -44,7 +45,7 @@ from .runtime import (
     setup_distributed,
 )
 
-__all__ = ["TrainResult", "lr_at", "make_optimizer", "train"]
+__all__ = ["TrainResult", "train"]
 
 
 @dataclass
@@ -58,26 +59,6 @@ class TrainResult:
     step_times: list[float] = field(default_factory=list)  # seconds per step, this process only
     tokens_per_step: int = 0
     out_dir: str = ""
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to `lr` over warmup_steps, then cosine decay to `min_lr` at decay_steps."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / (cfg.warmup + 1)
-    if step >= cfg.decay_steps:
-        return cfg.min_lr
-    progress = (step - cfg.warmup) / (cfg.decay_steps - cfg.warmup)  # 0 -> 1
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
-
-
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and embeddings (>= 2-D), none on biases and norm gains."""
-    params = [p for p in model.parameters() if p.requires_grad]  # a tied matrix appears once
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=cfg.fused_optimizer or None)
 
 
 @torch.no_grad()
@@ -98,29 +79,13 @@ def estimate_loss(model, splits: dict, cfg: TrainConfig, block_size: int, device
     return out
 
 
-def _check_resumable(cfg: TrainConfig, state: dict, ckpt: Path) -> None:
-    """The tokenizer is fixed by the checkpoint, and there must be steps (or end-of-run files) left."""
-    saved = state["train_config"]
-    names = ("tokenizer", "bpe_vocab_size") if saved.get("tokenizer") == "bpe" else ("tokenizer",)
-    for name in names:
-        if getattr(cfg, name) != saved.get(name):
-            raise ValueError(f"{name}={getattr(cfg, name)!r}, but the run in {ckpt} was trained with "
-                             f"{saved.get(name)!r}; a resumed run keeps its tokenizer (leave the option out)")
-    step, out_dir = state["step"], Path(cfg.out_dir)
-    end_files = END_OF_RUN_FILES if cfg.num_samples > 0 else END_OF_RUN_FILES[:1]  # loss.png [, samples.txt]
-    finished = all((out_dir / name).is_file() for name in end_files)
-    if step > cfg.max_steps or (step == cfg.max_steps and finished):
-        raise ValueError(f"the checkpoint {ckpt} is at step {step}; max_steps={cfg.max_steps} "
-                         f"leaves nothing to train (raise max_steps)")
-
-
 def _prepare(cfg: TrainConfig, model_cfg: TransformerConfig | None, ckpt: Path | None):
     """Text, tokenizer, model and (when resuming from the checkpoint `ckpt`) the saved training state."""
     if ckpt is not None:
         if model_cfg is not None and not isinstance(model_cfg, dict):
             raise TypeError(f"with resume, model_cfg must be a dict of overrides or None, got {type(model_cfg)}")
         state = load_train_state(ckpt)
-        _check_resumable(cfg, state, ckpt)
+        check_resumable(cfg, state, ckpt)
         tokenizer = load_tokenizer(ckpt)
         model = TransformerLM.from_pretrained(ckpt, **(model_cfg or {}))
         check_vocab_size(tokenizer, model.config.vocab_size, ckpt)
@@ -334,11 +299,11 @@ def _train(run: _Run) -> TrainResult:
         if run.pipeline is not None:  # the schedule runs the microbatches through this rank's stages
             loss_value = run.pipeline.step(*run.next_batch()).item()
         else:
-            loss_value = _forward_backward(run.model, run.next_batch, cfg, run.amp, run.scaler, run.world_size)
+            loss_value = forward_backward(run.model, run.next_batch, cfg, run.amp, run.scaler, run.world_size)
         if not math.isfinite(loss_value):  # checked BEFORE the update: the weights are still good
             bar.close()
             raise run.diverged(loss_value, lr)
-        _update(run.model, run.optimizer, run.scaler, cfg.grad_clip, run.pipeline)
+        apply_update(run.model, run.optimizer, run.scaler, cfg.grad_clip, run.pipeline)
         run.step += 1
         run.losses.append(loss_value)
         run.step_times.append(time.perf_counter() - started)
@@ -357,34 +322,3 @@ def _train(run: _Run) -> TrainResult:
         finish_run(cfg, run.raw_model, run.tokenizer, run.text, run.losses, run.evals, out_dir, run.device)
     return TrainResult(run.raw_model, run.tokenizer, run.step, run.best_val, run.losses, run.evals,
                        run.step_times, run.tokens_per_step, str(out_dir))
-
-
-def _forward_backward(model, next_batch, cfg: TrainConfig, amp, scaler, world_size: int) -> float:
-    """Gradients of grad_accum_steps micro-batches, summed into .grad; -> their mean loss (over ranks too)."""
-    loss_sum = 0.0
-    for micro in range(cfg.grad_accum_steps):
-        x, y = next_batch()
-        last_micro = micro == cfg.grad_accum_steps - 1
-        sync = model.no_sync() if world_size > 1 and not last_micro and hasattr(model, "no_sync") else None
-        with sync or contextlib.nullcontext():  # DDP averages gradients only on the last micro-batch (FSDP: each)
-            with amp():
-                _, loss = model(x, y, check=False)  # the data loader's ids are in range by construction
-            loss = loss / cfg.grad_accum_steps  # the update uses the MEAN over all micro-batches
-            scaler.scale(loss).backward()
-        loss_sum = loss_sum + loss.detach()
-    if world_size > 1:  # the mean loss over ranks: the same number everywhere, so all ranks stop together
-        dist.all_reduce(loss_sum)
-        loss_sum = loss_sum / world_size
-    return loss_sum.item()
-
-
-def _update(model, optimizer, scaler, grad_clip: float, pipeline=None) -> None:
-    """Clip the global gradient norm, take the AdamW step, clear the gradients."""
-    if grad_clip > 0 and pipeline is not None:  # the norm over every rank's stages
-        pipeline.clip_grad_norm_(grad_clip)
-    elif grad_clip > 0:
-        scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
