@@ -6,11 +6,14 @@ on both alike. Every request has a fresh prompt of random words that no server h
 prefix caching: a prompt seen before would skip most of its prefill), `max_tokens` 8, and TTFT = send ->
 first chunk with text, as bench_server.py measures it.
 
-Then, in this process, the floor: one bare forward pass of each model over a prompt of the same length,
-our TransformerLM and HF's LlamaForCausalLM loaded from the same directory, logits at the last position
-only (as both servers compute), alternating too. A server's TTFT minus its model's forward is what HTTP,
-the queues, the engine step's bookkeeping and the first chunk add; the forward is the part no server
-can skip, so `our forward / HF's TTFT` is the best ratio our server could reach with that model code.
+Beside each pair of requests, in this process, the floor: one bare forward pass of each model over a
+fresh prompt of the same length, our TransformerLM and HF's LlamaForCausalLM loaded from the same
+directory, logits at the last position only (as both servers compute), alternating too, so the floor
+sees the same drift as the requests. A server's TTFT minus its model's forward is what HTTP, the queues,
+the engine step's bookkeeping, the first chunk, and a step that runs slower in a server than back to back
+here (weights gone cold from the cache while the server idled, two threads of the server sharing the
+GIL) add; the forward is the part no server can skip, so `our forward / HF's TTFT` is about the best
+ratio our server could reach with this model code.
 """
 
 from __future__ import annotations
@@ -51,21 +54,8 @@ async def first_chunk_s(name: str, url: str, model: str, prompt: str) -> float:
     return first
 
 
-def lone_ttfts(urls: dict[str, str], model: str, lengths: list[int], reps: int, rng: random.Random) -> dict:
-    """{(server, prompt length): [TTFT ms, ...]}, one request at a time, the order alternating."""
-    out = {(name, n): [] for name in urls for n in lengths}
-    names = list(urls)
-    for i in range(reps):
-        for j, n in enumerate(lengths):
-            for name in names if (i + j) % 2 == 0 else names[::-1]:
-                seconds = asyncio.run(first_chunk_s(name, urls[name], model, fresh_prompt(rng, n)))
-                out[name, n].append(1000 * seconds)
-    return out
-
-
-def forward_floors(model_dir: Path, names: list[str], lengths: list[int], reps: int, rng: random.Random) -> dict:
-    """{(model, prompt length): [ms, ...]}: one bare forward (no cache, last position's logits), in this
-    process, with this process's thread count; our model and HF's alternate."""
+def bare_forwards(model_dir: Path, names: list[str]) -> dict:
+    """{name: forward(ids) -> None}: our model and (when it runs) HF's, loaded in this process."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -76,23 +66,43 @@ def forward_floors(model_dir: Path, names: list[str], lengths: list[int], reps: 
     if "hf" in names:
         hf = LlamaForCausalLM.from_pretrained(model_dir).eval()
         models["hf"] = lambda x: hf(x, logits_to_keep=1, use_cache=False)
-    out = {(name, n): [] for name in models for n in lengths}
+    return models
+
+
+def time_forward(forward, n: int, rng: random.Random) -> float:
+    """ms of one bare forward over a fresh prompt of n tokens."""
+    import torch
+
+    x = torch.tensor([[rng.randrange(VOCAB) for _ in range(n)]])
     with torch.inference_mode():
-        for forward in models.values():  # warm up: the first calls allocate
-            forward(torch.zeros(1, max(lengths), dtype=torch.long))
-        for i in range(reps):
-            for n in lengths:
-                x = torch.tensor([[rng.randrange(VOCAB) for _ in range(n)]])
-                for name in list(models) if i % 2 == 0 else list(models)[::-1]:
-                    began = time.perf_counter()
-                    forward(x)
-                    out[name, n].append(1000 * (time.perf_counter() - began))
-    return out
+        began = time.perf_counter()
+        forward(x)
+        return 1000 * (time.perf_counter() - began)
+
+
+def measure(urls: dict[str, str], forwards: dict, model: str, lengths: list[int], reps: int,
+            rng: random.Random) -> tuple[dict, dict]:
+    """({(server, length): [TTFT ms]}, {(model, length): [forward ms]}): per repetition and length, one
+    request to each server, then one forward of each model; the order alternates."""
+    ttft = {(name, n): [] for name in urls for n in lengths}
+    floor = {(name, n): [] for name in forwards for n in lengths}
+    for forward in forwards.values():  # warm up: the first calls allocate
+        time_forward(forward, max(lengths), rng)
+    for i in range(reps):
+        for j, n in enumerate(lengths):
+            flip = (i + j) % 2 == 1
+            for name in list(urls)[::-1] if flip else list(urls):
+                seconds = asyncio.run(first_chunk_s(name, urls[name], model, fresh_prompt(rng, n)))
+                ttft[name, n].append(1000 * seconds)
+            for name in list(forwards)[::-1] if flip else list(forwards):
+                floor[name, n].append(time_forward(forwards[name], n, rng))
+    return ttft, floor
 
 
 def run_lone_ttft(model_dir: Path, names: list[str], args, log_dir: Path) -> None:
     lengths = [int(x) for x in args.ttft_lengths.split(",")]
     rng = random.Random(args.seed + 7)
+    forwards = bare_forwards(model_dir, names)
     load_before = os.getloadavg()[0]
     servers, urls = [], {}
     try:
@@ -103,11 +113,10 @@ def run_lone_ttft(model_dir: Path, names: list[str], args, log_dir: Path) -> Non
             servers.append(proc)
             asyncio.run(saturate(name, url, str(model_dir), [fresh_prompt(rng, 8), fresh_prompt(rng, 9)], 4))
             urls[name] = url
-        ttft = lone_ttfts(urls, str(model_dir), lengths, args.lone_requests, rng)
+        ttft, floor = measure(urls, forwards, str(model_dir), lengths, args.lone_requests, rng)
     finally:
         for proc in servers:
             stop(proc)
-    floor = forward_floors(model_dir, names, lengths, args.lone_requests, rng)
     report(ttft, floor, names, lengths, args, load_before)
 
 
@@ -116,7 +125,8 @@ def report(ttft: dict, floor: dict, names: list[str], lengths: list[int], args, 
                                                               **{("fwd",) + k: v for k, v in floor.items()}}.items()}
     print(f"\nlone TTFT: {args.lone_requests} streamed requests per server and prompt length, one at a time, "
           f"alternating ours/HF request by request, fresh prompts (no prefix-cache hit), {NEW_TOKENS} new tokens; "
-          f"forward = one bare forward of the model in this process ({args.threads} thread(s)); medians; "
+          f"forward = one bare forward of the model in this process ({args.threads} thread(s)), beside each "
+          f"pair of requests; medians; "
           f"uptime load {load_before:.2f} before, {os.getloadavg()[0]:.2f} after\n")
     if "hf" not in names:
         print("| prompt tokens | ours TTFT ms | our forward ms | TTFT − forward ms |\n|---:|---:|---:|---:|")
