@@ -1,10 +1,10 @@
 """bench_server.py --hf-peer, lone TTFT: where a lone request's time to first token goes, ours and HF's.
 
 Both servers run at once (an idle server waits without using the CPU) and get one streamed request at a
-time, alternating request by request (ours, HF, then HF, ours, ...), so the shared machine's drift falls
-on both alike. Every request has a fresh prompt of random words that no server has seen (both have
-prefix caching: a prompt seen before would skip most of its prefill), `max_tokens` 8, and TTFT = send ->
-first chunk with text, as bench_server.py measures it.
+time over a kept-open connection, alternating request by request (ours, HF, then HF, ours, ...), so the
+shared machine's drift falls on both alike. Every request has a fresh prompt of random words that no
+server has seen (both have prefix caching: a prompt seen before would skip most of its prefill),
+`max_tokens` 8, and TTFT = send -> first chunk with text, as bench_server.py measures it.
 
 Beside each pair of requests, in this process, the floor: one bare forward pass of each model over a
 fresh prompt of the same length, our TransformerLM and HF's LlamaForCausalLM loaded from the same
@@ -35,20 +35,17 @@ def fresh_prompt(rng: random.Random, n: int) -> str:
     return " ".join(f"w{rng.randrange(VOCAB)}" for _ in range(n))
 
 
-async def first_chunk_s(name: str, url: str, model: str, prompt: str) -> float:
-    """Seconds from sending one streamed request (a new connection) to its first chunk with text."""
-    import httpx
-
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        began, first = time.perf_counter(), None
-        async with client.stream("POST", "/v1/completions", json=body(name, model, prompt, NEW_TOKENS, True)) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"{name}: HTTP {r.status_code} {await r.aread()}")
-            async for line in r.aiter_lines():  # read to the end: the next request finds the server idle
-                if first is None and line.startswith("data: ") and line != "data: [DONE]":
-                    choices = json.loads(line[6:]).get("choices") or [{}]
-                    if choices[0].get("text"):
-                        first = time.perf_counter() - began
+async def first_chunk_s(client, name: str, model: str, prompt: str) -> float:
+    """Seconds from sending one streamed request to its first chunk with text."""
+    began, first = time.perf_counter(), None
+    async with client.stream("POST", "/v1/completions", json=body(name, model, prompt, NEW_TOKENS, True)) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{name}: HTTP {r.status_code} {await r.aread()}")
+        async for line in r.aiter_lines():  # read to the end: the next request finds the server idle
+            if first is None and line.startswith("data: ") and line != "data: [DONE]":
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                if choices[0].get("text"):
+                    first = time.perf_counter() - began
     if first is None:
         raise RuntimeError(f"{name}: the stream had no text")
     return first
@@ -80,22 +77,31 @@ def time_forward(forward, n: int, rng: random.Random) -> float:
         return 1000 * (time.perf_counter() - began)
 
 
-def measure(urls: dict[str, str], forwards: dict, model: str, lengths: list[int], reps: int,
-            rng: random.Random) -> tuple[dict, dict]:
+async def measure(urls: dict[str, str], forwards: dict, model: str, lengths: list[int], reps: int,
+                  rng: random.Random) -> tuple[dict, dict]:
     """({(server, length): [TTFT ms]}, {(model, length): [forward ms]}): per repetition and length, one
-    request to each server, then one forward of each model; the order alternates."""
+    request to each server, then one forward of each model; the order alternates. Each server keeps one
+    connection open, as an OpenAI client does (a new TCP connection per request costs 1-6 ms here)."""
+    import httpx
+
     ttft = {(name, n): [] for name in urls for n in lengths}
     floor = {(name, n): [] for name in forwards for n in lengths}
-    for forward in forwards.values():  # warm up: the first calls allocate
-        time_forward(forward, max(lengths), rng)
-    for i in range(reps):
-        for j, n in enumerate(lengths):
-            flip = (i + j) % 2 == 1
-            for name in list(urls)[::-1] if flip else list(urls):
-                seconds = asyncio.run(first_chunk_s(name, urls[name], model, fresh_prompt(rng, n)))
-                ttft[name, n].append(1000 * seconds)
-            for name in list(forwards)[::-1] if flip else list(forwards):
-                floor[name, n].append(time_forward(forwards[name], n, rng))
+    clients = {name: httpx.AsyncClient(base_url=url, timeout=300) for name, url in urls.items()}
+    try:
+        for name, client in clients.items():  # open the connections
+            await first_chunk_s(client, name, model, fresh_prompt(rng, 4))
+        for forward in forwards.values():  # warm up: the first calls allocate
+            time_forward(forward, max(lengths), rng)
+        for i in range(reps):
+            for j, n in enumerate(lengths):
+                flip = (i + j) % 2 == 1
+                for name in list(urls)[::-1] if flip else list(urls):
+                    ttft[name, n].append(1000 * await first_chunk_s(clients[name], name, model, fresh_prompt(rng, n)))
+                for name in list(forwards)[::-1] if flip else list(forwards):
+                    floor[name, n].append(time_forward(forwards[name], n, rng))
+    finally:
+        for client in clients.values():
+            await client.aclose()
     return ttft, floor
 
 
@@ -113,7 +119,7 @@ def run_lone_ttft(model_dir: Path, names: list[str], args, log_dir: Path) -> Non
             servers.append(proc)
             asyncio.run(saturate(name, url, str(model_dir), [fresh_prompt(rng, 8), fresh_prompt(rng, 9)], 4))
             urls[name] = url
-        ttft, floor = measure(urls, forwards, str(model_dir), lengths, args.lone_requests, rng)
+        ttft, floor = asyncio.run(measure(urls, forwards, str(model_dir), lengths, args.lone_requests, rng))
     finally:
         for proc in servers:
             stop(proc)
@@ -124,7 +130,8 @@ def report(ttft: dict, floor: dict, names: list[str], lengths: list[int], args, 
     med = {key: statistics.median(values) for key, values in {**{("ttft",) + k: v for k, v in ttft.items()},
                                                               **{("fwd",) + k: v for k, v in floor.items()}}.items()}
     print(f"\nlone TTFT: {args.lone_requests} streamed requests per server and prompt length, one at a time, "
-          f"alternating ours/HF request by request, fresh prompts (no prefix-cache hit), {NEW_TOKENS} new tokens; "
+          f"alternating ours/HF request by request, one kept-open connection each, fresh prompts (no prefix-cache "
+          f"hit), {NEW_TOKENS} new tokens; "
           f"forward = one bare forward of the model in this process ({args.threads} thread(s)), beside each "
           f"pair of requests; medians; "
           f"uptime load {load_before:.2f} before, {os.getloadavg()[0]:.2f} after\n")
