@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mini_transformer.attention import PagedAttentionMetadata, attention, get_backend, paged_attention, write_kv
-from mini_transformer.attention.paged import paged_decode_attention
+from mini_transformer.attention.paged import compiled_decode_attention, paged_decode_attention
 
 
 def scatter_sequences(context_lens, query_lens, block_size, H, Hkv, D, dtype, seed=0):
@@ -47,12 +47,13 @@ def scatter_sequences(context_lens, query_lens, block_size, H, Hkv, D, dtype, se
     return tables, seqs, packed, k_cache, v_cache
 
 
-def run_paged(context_lens, query_lens, block_size, H, Hkv, D, dtype, attend=None, seed=0, compiled=False):
+def run_paged(context_lens, query_lens, block_size, H, Hkv, D, dtype, attend=None, seed=0,
+              decode=paged_decode_attention):
     tables, seqs, (q, k, v), k_cache, v_cache = scatter_sequences(
         context_lens, query_lens, block_size, H, Hkv, D, dtype, seed)
     meta = PagedAttentionMetadata.build(tables, context_lens, query_lens, block_size)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = paged_attention(q, k_cache, v_cache, meta, attend, compiled=compiled)  # (N, H, D)
+    out = paged_attention(q, k_cache, v_cache, meta, attend, decode)  # (N, H, D)
     return out, seqs, tables, k_cache
 
 
@@ -117,7 +118,8 @@ def test_compiled_decode_equals_contiguous():
     and table width (they are dynamic), decode-only steps and decode rows beside prefill rows alike."""
     for context_lens, query_lens in ([7, 20, 3, 12], [1, 1, 1, 1]), ([40, 6, 1, 19, 2], [1, 6, 1, 5, 1]), \
             ([33, 9], [1, 1]):
-        out, seqs, _, _ = run_paged(context_lens, query_lens, 4, 4, 2, 8, torch.float32, compiled=True)
+        out, seqs, _, _ = run_paged(context_lens, query_lens, 4, 4, 2, 8, torch.float32,
+                                    decode=compiled_decode_attention)
         assert (out - contiguous(seqs, torch.float32)).abs().max() <= 1e-6
 
 
@@ -239,3 +241,21 @@ def test_triton_kernel_on_cuda_equals_contiguous(dtype, tolerance):
     assert (out.double().cpu() - reference).abs().max() <= tolerance
     gathered = paged_attention(q.to(**to), k_cache, v_cache, meta)
     assert (gathered.double().cpu() - reference).abs().max() <= tolerance
+
+
+FALLBACK = """
+from mini_transformer.attention.paged import compiled_decode_attention, decode_attention_for, paged_decode_attention
+assert decode_attention_for("cpu") is compiled_decode_attention
+assert decode_attention_for("cpu", enforce_eager=True) is paged_decode_attention
+print("fallback")
+"""
+
+
+def test_without_the_cpp_kernel_the_engine_decodes_through_the_compiled_reference():
+    """MT_NATIVE_KERNELS=0 (as where no compiler is found): the CPU decode path is the reference, compiled,
+    or eager under enforce_eager."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, MT_NATIVE_KERNELS="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", FALLBACK], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "fallback" in done.stdout, done.stderr[-2000:]

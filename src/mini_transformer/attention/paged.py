@@ -18,17 +18,20 @@ copied to the device in ONE copy (pinned memory, non_blocking on CUDA):
     query_start_loc (S+1,)  sequence s owns packed tokens query_start_loc[s] .. query_start_loc[s+1]-1
 
 Two ways to attend, one per kind of row, both reading only those fields:
-  decode rows (1 query): `paged_decode_attention` reads K/V block by block through the block table
-      (no gathered copy). Compiled (torch.compile), inductor turns the `[block_tables]` indexing into
-      loads inside the score and weighted-sum reductions, so no (S, L, Hkv, D) tensor is ever written:
-      the FlashAttention idea of stage 4 applied to pages. `triton_paged.py` is the same on a GPU.
-  prefill rows (a chunk of queries): gathered into left-padded keys and right-aligned queries, and run
-      through the ordinary contiguous backend with a key padding mask (queries sit at the end of the
-      keys, so no new mask logic). This copy pays where many queries share each key.
+  decode rows (1 query): `paged_decode_attention` is the readable reference (it gathers when run
+      eagerly). The engine runs, on the CPU, the C++ kernel of `paged_cpu.py`: per (sequence, kv head)
+      it walks the block table with an online softmax, no gathered copy, no padding (the FlashAttention
+      idea of stage 4 applied to pages); where it cannot be built, the reference through torch.compile
+      (inductor turns the `[block_tables]` indexing into loads inside the reductions).
+      `triton_paged.py` is the same on a GPU.
+  prefill rows (a chunk of queries): their keys gathered (one index_select for all of them), then each
+      sequence's chunk through the ordinary contiguous backend, unpadded (queries sit at the end of the
+      keys, so no new mask logic; a whole prompt takes the backend's causal fast path). This copy pays
+      where many queries share each key.
 
     meta = PagedAttentionMetadata.build(block_tables, context_lens, query_lens, block_size, device)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)     # the new tokens' K/V into their slots
-    out = paged_attention(q, k_cache, v_cache, meta)         # (N, H, D)
+    out = paged_attention(q, k_cache, v_cache, meta, decode=decode_attention_for("cpu"))  # (N, H, D)
 
 Shapes: q (N, H, D) packed; k, v (N, Hkv, D); k_cache, v_cache (num_slots, Hkv, D) for one layer.
 """
@@ -43,8 +46,9 @@ import numpy as np
 import torch
 
 from .naive import naive_attention
+from .paged_cpu import KERNEL_DTYPES, decode_kernel_available, paged_decode_kernel
 
-__all__ = ["PagedAttentionMetadata", "paged_attention", "paged_decode_attention", "write_kv"]
+__all__ = ["PagedAttentionMetadata", "decode_attention_for", "paged_attention", "paged_decode_attention", "write_kv"]
 
 
 @dataclass
@@ -165,32 +169,45 @@ def compiled_decode_attention(q, k_cache, v_cache, block_tables, context_lens, b
     return _compiled_decode(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
 
 
+def decode_attention_for(device: torch.device | str, enforce_eager: bool = False) -> Callable:
+    """The decode rows' attention the engine runs on `device`, chosen once. On the CPU: the C++ kernel
+    (paged_cpu.py) where it builds, for fp32/bf16/fp16 pools (float64 runs the reference); where it cannot
+    be built, the reference through torch.compile, or eagerly with `enforce_eager`. Elsewhere: the eager
+    reference (a GPU engine on the `triton` backend uses triton_paged.py instead)."""
+    if torch.device(device).type != "cpu":
+        return paged_decode_attention
+    fallback = paged_decode_attention if enforce_eager else compiled_decode_attention
+    if not decode_kernel_available():
+        return fallback
+
+    def kernel_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size: int, scale: float):
+        run = paged_decode_kernel if q.dtype in KERNEL_DTYPES else fallback
+        return run(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
+
+    return kernel_decode_attention
+
+
 def _naive(q, k, v, key_padding_mask):
     return naive_attention(q, k, v, causal=True, key_padding_mask=key_padding_mask, dropout_p=0.0,
                            scale=1.0 / math.sqrt(q.shape[-1]))
 
 
-def _prefill_layout(meta: PagedAttentionMetadata, seqs: list[int]):
-    """Left-padded key slots (S', Lmax) and their mask, derived on the device from the fields; and where
-    each prefill token sits among the right-aligned (S' * Qmax) padded queries, from the host's lengths."""
-    device = meta.slot_mapping.device
-    new = np.array([meta.query_lens[s] for s in seqs])
-    max_context, max_query = max(meta.context_lens_host[s] for s in seqs), int(new.max())
-    rows = torch.tensor(seqs, device=device)
-    n_keys = meta.context_lens[rows][:, None]  # (S', 1)
-    positions = torch.arange(max_context, device=device) - (max_context - n_keys)  # (S', Lmax), pads < 0
-    keep = positions >= 0
-    positions = positions.clamp(min=0)
-    tables = meta.block_tables[rows]
-    key_slots = tables.gather(1, positions // meta.block_size) * meta.block_size + positions % meta.block_size
-    key_slots = key_slots.masked_fill(~keep, 0)
-    starts = np.concatenate([[0], np.cumsum(meta.query_lens)])[seqs]  # first packed token of each
-    token_index = np.concatenate([np.arange(f, f + n) for f, n in zip(starts, new, strict=True)])
-    padded_index = np.concatenate([np.arange((i + 1) * max_query - n, (i + 1) * max_query)
-                                   for i, n in enumerate(new)])
-    both = torch.from_numpy(np.concatenate([token_index, padded_index])).to(device, non_blocking=True)
-    token_index, padded_index = both.split(len(token_index))
-    return key_slots, keep, token_index, padded_index, max_query
+def _prefill_keys(meta: PagedAttentionMetadata, seqs: list[int]):
+    """For the prefill rows' sequences: the pool slots of all their keys, one sequence after another
+    (sum of their context_lens,), derived on the device from the block tables; and, from the host's
+    lengths, per sequence (first packed query, queries, first of its keys in that list, keys)."""
+    n_keys = np.array([meta.context_lens_host[s] for s in seqs])
+    key_start = np.cumsum(n_keys) - n_keys
+    owner = np.repeat(np.asarray(seqs), n_keys)  # each key's sequence
+    position = np.arange(n_keys.sum()) - np.repeat(key_start, n_keys)  # each key's position in it
+    both = torch.from_numpy(np.stack([owner, position])).to(meta.slot_mapping.device, non_blocking=True)
+    owner_t, position_t = both
+    bs = meta.block_size
+    slots = meta.block_tables[owner_t, position_t // bs] * bs + position_t % bs
+    query_start = np.concatenate([[0], np.cumsum(meta.query_lens)])
+    spans = [(int(query_start[s]), meta.query_lens[s], int(k0), int(n))
+             for s, k0, n in zip(seqs, key_start, n_keys, strict=True)]
+    return slots, spans
 
 
 def paged_attention(
@@ -199,17 +216,17 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: PagedAttentionMetadata,
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
-    compiled: bool = False,
+    decode: Callable = paged_decode_attention,
 ) -> torch.Tensor:
     """Causal attention of the packed queries q (N, H, D) over each sequence's keys in the pool.
 
-    Decode rows: paged_decode_attention (`compiled=True`: through torch.compile). Prefill rows: gathered
-    and padded, then `attend(q, k, v, key_padding_mask)`, a contiguous causal attention with queries at the
-    end of the keys (default: the naive reference; the model passes its own `Attend`, so the configured
+    Decode rows: `decode`, paged_decode_attention's signature (default: that reference itself; the engine
+    passes decode_attention_for(device): the C++ kernel on the CPU). Prefill rows: their keys
+    gathered, then per sequence `attend(q, k, v, key_padding_mask=None)`, a contiguous causal attention with
+    queries at the end of the keys (default: the naive reference; the model passes its own `Attend`, so the configured
     backend runs). Returns (N, H, D) in the order of q."""
     attend = attend or _naive
     N, H, D = q.shape
-    decode = compiled_decode_attention if compiled else paged_decode_attention
     scale = 1.0 / math.sqrt(D)
     if meta.is_decode_only:  # the common step: every row is one token, already in sequence order
         return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size, scale)
@@ -220,15 +237,11 @@ def paged_attention(
         tokens = meta.index("decode_tokens", lambda: meta.query_start_loc[rows])
         out[tokens] = decode(q[tokens], k_cache, v_cache, meta.block_tables[rows], meta.context_lens[rows],
                              meta.block_size, scale)
-    key_slots, keep, token_index, padded_index, Qmax = meta.index(
-        "prefill", lambda: _prefill_layout(meta, meta.rows(decode=False)))
-    S = key_slots.shape[0]
-    flat = key_slots.flatten()
-    k = k_cache.index_select(0, flat).view(S, -1, *k_cache.shape[1:]).transpose(1, 2)  # (S', Hkv, Lmax, D)
-    v = v_cache.index_select(0, flat).view(S, -1, *v_cache.shape[1:]).transpose(1, 2)
-    padded_q = q.new_zeros(S * Qmax, H, D)
-    padded_q[padded_index] = q[token_index]
-    padded_q = padded_q.view(S, Qmax, H, D).transpose(1, 2)  # (S', H, Qmax, D), queries right-aligned
-    group_out = attend(padded_q, k, v, keep)  # (S', H, Qmax, D)
-    out[token_index] = group_out.transpose(1, 2).reshape(S * Qmax, H, D)[padded_index]
+    slots, spans = meta.index("prefill", lambda: _prefill_keys(meta, meta.rows(decode=False)))
+    k, v = k_cache.index_select(0, slots), v_cache.index_select(0, slots)  # (sum of L, Hkv, D)
+    for first, n_new, first_key, n_keys in spans:  # each chunk alone, unpadded: with Tq == Tk the backend
+        keys = slice(first_key, first_key + n_keys)  # can take its causal fast path (SDPA's flash skips
+        q_s = q[first:first + n_new].transpose(0, 1)[None]  # the masked half); (1, H, n_new, D)
+        k_s, v_s = k[keys].transpose(0, 1)[None], v[keys].transpose(0, 1)[None]  # (1, Hkv, L, D)
+        out[first:first + n_new] = attend(q_s, k_s, v_s, None)[0].transpose(0, 1)
     return out

@@ -5,8 +5,8 @@
 
 The pool's size is `num_blocks`, or as many blocks as fit in `kv_cache_bytes`, or (neither) a share of
 memory; the engine turns it into a block count once it knows the model (bytes per block).
-`enforce_eager=True` runs every step eagerly: no CUDA graphs on a GPU, no compiled decode attention on
-the CPU (vLLM's name for the same switch).
+`enforce_eager=True` runs every step eagerly: no CUDA graphs on a GPU, no torch.compile on the CPU (vLLM's
+name for the same switch; the C++ paged decode kernel is no compiled graph and still runs).
 """
 
 from __future__ import annotations

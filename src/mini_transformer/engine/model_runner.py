@@ -13,7 +13,7 @@ runs the same `TransformerLM` on it. The model sees a `PagedBatch` through the c
 The step's inputs are built on the host from Python lists and numpy (block tables from the persistent
 `BlockTable`), and reach the device in two copies (ids/positions/logit rows, and the attention metadata),
 pinned and non_blocking on CUDA. On CUDA a decode-only step replays a captured CUDA graph (cuda_graphs.py)
-unless `enforce_eager`; on the CPU decode attention runs compiled (unless `enforce_eager`).
+unless `enforce_eager`; on the CPU decode attention runs the C++ paged kernel (attention/paged_cpu.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..attention.paged import PagedAttentionMetadata, paged_attention, write_kv
+from ..attention.paged import PagedAttentionMetadata, decode_attention_for, paged_attention, write_kv
 from ..config import TransformerConfig
 from ..model.transformer import Attend, TransformerLM
 from .block_table import BlockTable
@@ -30,14 +30,16 @@ from .sampler import PromptLogprobs, Sampler, read_back
 from .sequence import Sequence
 
 
-def paged_attention_for(backend: str, compiled: bool):
+def paged_attention_for(backend: str, device: torch.device, enforce_eager: bool):
     """The paged attention a backend uses, chosen once: the Triton kernel walks the block tables itself;
-    every other backend runs `paged_attention` (decode rows block by block, prefill rows through it)."""
+    every other backend runs `paged_attention` (decode rows block by block, on the CPU through the C++
+    kernel of attention/paged_cpu.py; prefill rows through the backend)."""
     if backend == "triton":
         from ..attention.triton_paged import triton_paged_attention
 
         return lambda q, k_cache, v_cache, meta, attend: triton_paged_attention(q, k_cache, v_cache, meta)
-    return lambda q, k_cache, v_cache, meta, attend: paged_attention(q, k_cache, v_cache, meta, attend, compiled)
+    decode = decode_attention_for(device, enforce_eager)
+    return lambda q, k_cache, v_cache, meta, attend: paged_attention(q, k_cache, v_cache, meta, attend, decode)
 
 
 class PagedBatch:
@@ -83,7 +85,7 @@ class ModelRunner:
         assert all(m.backend == cfg.attn_backend for m in model.modules() if isinstance(m, Attend)), \
             "every layer must attend with the configured backend: the paged attention is chosen once"
         self.device, self.dtype = weight.device, weight.dtype
-        self.paged = paged_attention_for(cfg.attn_backend, compiled=self.device.type == "cpu" and not enforce_eager)
+        self.paged = paged_attention_for(cfg.attn_backend, self.device, enforce_eager)
         shape = (2, cfg.n_layer, (num_blocks + 1) * block_size, cfg.n_kv_heads, cfg.d_head)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.scratch_block = num_blocks  # the pool's extra block: no sequence ever owns it
