@@ -74,7 +74,7 @@ def parse_args(argv=None):
                         "Llama directory (vocab 8192), --peer-requests at once, alternating --pairs times")
     p.add_argument("--peer-requests", type=int, default=48, help="--hf-peer: concurrent requests per run")
     p.add_argument("--peer-tokens", type=int, default=64, help="--hf-peer: new tokens per request")
-    p.add_argument("--ttft-lengths", default="16,64,256",
+    p.add_argument("--ttft-lengths", default="4,16,64,256",
                    help="--hf-peer: prompt lengths (tokens) of the lone requests whose TTFT is compared")
     return p.parse_args(argv)
 
