@@ -12,7 +12,7 @@ from test_engine import VOCAB, alone, make_model, make_prompts
 
 from mini_transformer import SamplingParams
 from mini_transformer.engine import InvalidRequest, LLMEngine
-from mini_transformer.engine.sampler import Sampler, penalise, row_values
+from mini_transformer.engine.sampler import BatchPlan, Sampler, penalise
 from mini_transformer.engine.sequence import Sequence, TokenLogprob
 from mini_transformer.inference.sampling import sample_next
 
@@ -107,9 +107,8 @@ def test_penalties_change_logits_exactly_as_defined():
                             logit_bias={9: 2.5, 30: -100})
     seqs = [sequence(params, prompt, output), sequence(SamplingParams(), prompt, output)]
     sampler = Sampler(V, torch.device("cpu"))
-    values = torch.tensor([row_values(s.params, V) for s in seqs])
-    slots = [sampler.counts.row(seqs[0]), 0]
-    got = penalise(logits, seqs, values, sampler.counts, slots)
+    plan = BatchPlan.of(seqs, sampler.counts, V, torch.device("cpu"))
+    got = penalise(logits, seqs, plan, sampler.counts)
     want = logits[0].double().clone()
     want[9] += 2.5
     want[30] -= 100
