@@ -119,7 +119,7 @@ class BatchPlan:
     device tensors. Nothing in it changes while the batch stays the same (a request's parameters and its
     count row are fixed for its life), and in a decode phase the batch IS the same step after step: the
     sampler builds it once and reuses it (vLLM's persistent batch, in small). Only what moves per step --
-    min_tokens (the output grows), the generators, the grammar -- is read from the sequences each step.
+    min_tokens (the output grows), the generators, the grammar's mask -- is read from the sequences each step.
 
         values (M, 7)  row_values of every row;  slots (M,) each row's TokenCounts row (0: none)
         sampled        rows that draw (the rest take the argmax), sampled_index on the device (None: all)
@@ -141,6 +141,8 @@ class BatchPlan:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, ids, values of every logit_bias
     min_tokens: list[int]  # rows whose request has a min_tokens (banned stop ids while it is not reached)
     logprob_rows: list[int]
+    seeded: list[tuple[int, int]]  # (place among the sampled rows, row) of the rows with their own generator
+    constrained: bool  # does some row follow a grammar (engine/structured.py)?
 
     @classmethod
     def of(cls, seqs: list[Sequence], counts: TokenCounts, vocab_size: int, device: torch.device) -> BatchPlan:
@@ -164,7 +166,9 @@ class BatchPlan:
             (to_device(rows, long, device), to_device(ids, long, device), to_device(bias, torch.float32, device))
             if rows else None,
             [row for row, p in enumerate(params) if p.min_tokens],
-            [row for row, p in enumerate(params) if p.logprobs is not None])
+            [row for row, p in enumerate(params) if p.logprobs is not None],
+            [(i, row) for i, row in enumerate(sampled) if seqs[row].generator is not None],
+            any(seq.grammar is not None for seq in seqs))
 
 
 def penalise(x: torch.Tensor, seqs: list[Sequence], plan: BatchPlan, counts: TokenCounts) -> torch.Tensor:
@@ -211,16 +215,15 @@ def filtered(x: torch.Tensor, values: torch.Tensor, use: set[str]) -> torch.Tens
     return x
 
 
-def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """(S, V) probabilities -> (S,) ids by sampling.draw_from_probs's exponential race; a row with a
-    generator draws its noise from it (the same draws as sample_next on that row alone), the others
-    share one draw from torch's global generator."""
+def draw(probs: torch.Tensor, seeded: list[tuple[int, torch.Generator]], unseeded: bool = True) -> torch.Tensor:
+    """(S, V) probabilities -> (S,) ids by sampling.draw_from_probs's exponential race; a seeded row
+    (row, its generator) draws its noise from its generator (the same draws as sample_next on that row
+    alone), the others (if `unseeded`) share one draw from torch's global generator."""
     race = torch.empty_like(probs, dtype=torch.float32)
-    if any(g is None for g in generators):
+    if unseeded:
         race.uniform_()
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            race[row].uniform_(generator=generator)
+    for row, generator in seeded:
+        race[row].uniform_(generator=generator)
     return (probs / race.log_().neg_()).argmax(dim=-1)  # -log(U) ~ Exp(1), as sampling.exponential_noise
 
 
@@ -266,7 +269,7 @@ class Sampler:
         x = raw
         if plan.sampled or plan.penalised or plan.bias is not None or plan.min_tokens:
             x = penalise(raw, seqs, plan, self.counts)
-        if any(seq.grammar is not None for seq in seqs):  # after the penalties, before argmax and the filters
+        if plan.constrained:  # after the penalties, before argmax and the filters
             x = self.grammar.apply(raw.clone() if x is raw else x, seqs)  # raw stays raw for the logprobs
         ids = x.argmax(dim=-1) if len(plan.sampled) < len(seqs) else None  # (M,): greedy rows keep theirs
         if plan.sampled:
@@ -274,7 +277,8 @@ class Sampler:
             probs = torch.softmax(filtered(x if index is None else x[index],
                                            plan.values if index is None else plan.values[index], plan.use),
                                   dim=-1)  # (S, V)
-            drawn = draw(probs, [seqs[row].generator for row in plan.sampled])
+            seeded = [(i, seqs[row].generator) for i, row in plan.seeded]  # each step: generators can be swapped
+            drawn = draw(probs, seeded, unseeded=len(seeded) < len(plan.sampled))
             ids = drawn if index is None else ids.index_copy(0, index, drawn)
         if plan.penalised:  # count the new tokens where the next step's penalties will read them
             self.counts.output.index_put_((plan.count_rows, ids[plan.count_index]),
