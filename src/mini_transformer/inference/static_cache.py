@@ -22,10 +22,12 @@ the slots it writes, [0, T), exactly as KVCache does; only the single-token step
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
 
+from ..model import bf16_gemv
 from ..model.cache import Attend
 from ..model.transformer import TransformerLM
 from .kv_cache import SlabCache
@@ -164,7 +166,10 @@ def _one_row_addmm(bias, mat1, mat2, beta=1, alpha=1):
     """addmm of ONE row (1, K) @ (K, N) as multiply + sum, so inductor writes the matrix-vector product
     itself; anything else (more rows, alpha/beta, other dtypes) keeps aten's kernel (NotImplemented).
     16-bit weights are widened to fp32 in registers as they are read and the K products summed in fp32
-    (a bf16 sum of 768 terms would keep only ~3 significant digits); only the (1, N) result is rounded."""
+    (a bf16 sum of 768 terms would keep only ~3 significant digits); only the (1, N) result is rounded.
+    bf16 with up to 8 rows on a CPU with AVX512_BF16 goes to model/bf16_gemv.py's kernel instead (same sums)."""
+    if beta == alpha == 1 and bias.dim() == 1 and bias.dtype == mat1.dtype and bf16_gemv.takes(mat1, mat2):
+        return torch.ops.mt_bf16.gemv(mat1, mat2.t(), bias)  # (M, K) x (N, K) weight -> (M, N)
     if mat1.shape[0] != 1 or beta != 1 or alpha != 1 or mat1.dtype not in FLOAT_DTYPES:
         return NotImplemented
     wide = torch.float64 if mat1.dtype == torch.float64 else torch.float32
@@ -172,6 +177,8 @@ def _one_row_addmm(bias, mat1, mat2, beta=1, alpha=1):
 
 
 def _one_row_mm(mat1, mat2):
+    if bf16_gemv.takes(mat1, mat2):
+        return torch.ops.mt_bf16.gemv(mat1, mat2.t())
     if mat1.shape[0] != 1 or mat1.dtype not in FLOAT_DTYPES:
         return NotImplemented
     wide = torch.float64 if mat1.dtype == torch.float64 else torch.float32
@@ -240,7 +247,24 @@ def _cpu_decode_backend(gm, example_inputs):
     # A module-level function is pickled by name instead.
     with functorch_config.patch(enable_autograd_cache=False), \
             mock.patch.object(compile_fx_module, "select_decomp_table", decode_decompositions):
-        return compile_fx_module.compile_fx(gm, example_inputs, config_patches=options)
+        return _recordable(compile_fx_module.compile_fx(gm, example_inputs, config_patches=options))
+
+
+class _Recording(threading.local):
+    calls: list | None = None  # while a list: each call of a compiled graph appends (graph, inputs, outputs)
+
+
+RECORDING = _Recording()
+
+
+def _recordable(graph: Callable) -> Callable:
+    """The compiled graph, with a way to see the flat inputs dynamo hands it (generate.GraphStep)."""
+    def call(*inputs):
+        outputs = graph(*inputs)
+        if RECORDING.calls is not None:
+            RECORDING.calls.append((graph, inputs, outputs))
+        return outputs
+    return call
 
 
 def decode_decompositions() -> dict:
