@@ -35,7 +35,7 @@ def _shared_bytecode_cache(request, tmp_path_factory):
     if not sys.flags.dont_write_bytecode or (torch_dir / "__pycache__").is_dir():
         yield
         return
-    cache = request.config.cache
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
     prefix = cache.mkdir("pycache") if cache is not None else tmp_path_factory.mktemp("pycache")
     saved = {name: os.environ.get(name) for name in ("PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE")}
     os.environ["PYTHONPYCACHEPREFIX"] = str(prefix)
