@@ -83,15 +83,36 @@ static inline float dot(const float* q, const T* k, int64_t D) {
   return sum;
 }
 
-// acc += p * v over D
+// acc (D) += sum_t p[t] * v_t over n rows, v_t = v_base + rows[t] + offset. 64 floats of acc at a time stay in
+// registers for all n rows (written back once, not once per row: the store-then-load of acc per row was the
+// loop's critical path).
 template <typename T>
-static inline void add_scaled(float* acc, float p, const T* v, int64_t D) {
+static inline void weighted_sum(float* acc, const float* p, const T* v_base, const int64_t* rows, int64_t offset,
+                                int64_t n, int64_t D) {
   int64_t d = 0;
 #ifdef MT_AVX512
-  const __m512 pp = _mm512_set1_ps(p);
-  for (; d + 16 <= D; d += 16) _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pp, load16(v + d), _mm512_loadu_ps(acc + d)));
+  for (; d + 64 <= D; d += 64) {
+    __m512 a0 = _mm512_loadu_ps(acc + d), a1 = _mm512_loadu_ps(acc + d + 16), a2 = _mm512_loadu_ps(acc + d + 32),
+           a3 = _mm512_loadu_ps(acc + d + 48);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* v = v_base + rows[t] + offset + d;
+      const __m512 pp = _mm512_set1_ps(p[t]);
+      a0 = _mm512_fmadd_ps(pp, load16(v), a0);
+      a1 = _mm512_fmadd_ps(pp, load16(v + 16), a1);
+      a2 = _mm512_fmadd_ps(pp, load16(v + 32), a2);
+      a3 = _mm512_fmadd_ps(pp, load16(v + 48), a3);
+    }
+    _mm512_storeu_ps(acc + d, a0), _mm512_storeu_ps(acc + d + 16, a1);
+    _mm512_storeu_ps(acc + d + 32, a2), _mm512_storeu_ps(acc + d + 48, a3);
+  }
+  for (; d + 16 <= D; d += 16) {
+    __m512 a = _mm512_loadu_ps(acc + d);
+    for (int64_t t = 0; t < n; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), load16(v_base + rows[t] + offset + d), a);
+    _mm512_storeu_ps(acc + d, a);
+  }
 #endif
-  for (; d < D; ++d) acc[d] += p * static_cast<float>(v[d]);
+  for (; d < D; ++d)
+    for (int64_t t = 0; t < n; ++t) acc[d] += p[t] * static_cast<float>(v_base[rows[t] + offset + d]);
 }
 
 // The online softmax's step for one query head and one block of scores x (n,): x becomes exp(x - m'),
@@ -138,10 +159,8 @@ static void attend_tile(const float* q, const T* k_base, const T* v_base, const 
     if (rescale != 1.f)
       for (int64_t d = 0; d < D; ++d) acc[i * D + d] *= rescale;
   }
-  for (int64_t t = 0; t < n; ++t) {  // acc += weights @ V, each value row read once
-    const T* v = v_base + rows[t];
-    for (int64_t i = 0; i < heads; ++i) add_scaled(acc + i * D, scores[i * tile + t], v + (i / group) * D, D);
-  }
+  for (int64_t i = 0; i < heads; ++i)  // acc += weights @ V (the tile's V rows stay in L1 across the heads)
+    weighted_sum(acc + i * D, scores + i * tile, v_base, rows, (i / group) * D, n, D);
 }
 
 // One task: `heads` query heads of one sequence, q (heads, D) fp32 pre-scaled; query head i reads kv head
