@@ -1,5 +1,5 @@
-"""The compiled batch-1 decode step's attention on the CPU: the C++ one-query kernel (attention/paged_cpu.py,
-mt_paged::one_query) against the decomposition inductor compiled before it (static_cache.py's
+"""The compiled batch-1 decode step's attention on the CPU: the C++ one-query kernel (attention/one_query_cpu.py,
+mt_one_query::attend) against the decomposition inductor compiled before it (static_cache.py's
 _one_query_attention), on the 124.7M Llama of issue 28 (768 hidden, 12 layers, GQA 12/4, D 64).
 
   attn   one layer's attention alone, as the step calls it (sdpa_attention over a 384-slot static slab,
@@ -7,7 +7,7 @@ _one_query_attention), on the 124.7M Llama of issue 28 (768 hidden, 12 layers, G
          and 320 (the start, middle and end of a 64 + 256-token run); us per call
   step   greedy decode, 64-token prompt prefilled, --new-tokens compiled steps, fp32 and bf16: ms per step
          with the kernel and with the decomposition (two compiled steps in this process, taking turns),
-         then a torch.profiler run of the kernel step: mt_paged::one_query's time per layer and step
+         then a torch.profiler run of the kernel step: mt_one_query::attend's time per layer and step
 
     OMP_NUM_THREADS=1 python benchmarks/bench_one_query.py --threads 1
 """
@@ -108,14 +108,14 @@ def run_steps(model: TransformerLM, new_tokens: int, repeats: int) -> tuple[list
     token = prompt[:, -1]
     steps = {"kernel": compile_step(decode_kernel, True, model, token, cache),
              "decomposition": compile_step(decode_decomposition, False, model, token, cache)}
-    timings = time_interleaved({name: lambda s=s: greedy_run(s, model, prompt, new_tokens) for name, s in steps.items()},
-                               repeats=repeats)
+    runs = {name: lambda s=s: greedy_run(s, model, prompt, new_tokens) for name, s in steps.items()}
+    timings = time_interleaved(runs, repeats=repeats)
     rows = [dict(dtype=dtype, how=name, ms=1000 * t.median / (new_tokens - 1)) for name, t in timings.items()]
     with torch.inference_mode(), torch_profile() as prof:
         greedy_run(steps["kernel"], model, prompt, new_tokens)
-    event = next(e for e in prof.key_averages() if e.key == "mt_paged::one_query")
+    event = next(e for e in prof.key_averages() if e.key == "mt_one_query::attend")
     n_layer = model.config.n_layer
-    note = (f"{dtype} kernel step, torch.profiler: mt_paged::one_query {event.count} calls, "
+    note = (f"{dtype} kernel step, torch.profiler: mt_one_query::attend {event.count} calls, "
             f"{event.self_cpu_time_total / event.count:.1f} us per layer, "
             f"{event.self_cpu_time_total / event.count * n_layer / 1000:.3f} ms per step ({load()})")
     return rows, note

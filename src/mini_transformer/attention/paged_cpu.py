@@ -22,6 +22,7 @@ load, so bf16/fp16 compute in fp32 like the reference. One task per (sequence, k
 
 Registered as the operator `mt_paged::decode` (with a fake for torch.compile); built on first use by
 `_native.build`. `decode_kernel_available()` is False where it cannot be built: callers use the reference.
+Its tile loop (TILE_SOURCE) also serves one_query_cpu.py, the static cache's kernel.
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ import torch
 
 from .._native import build
 
-__all__ = ["KERNEL_DTYPES", "decode_kernel_available", "one_query_kernel", "paged_decode_kernel"]
+__all__ = ["KERNEL_DTYPES", "TILE_SOURCE", "decode_kernel_available", "paged_decode_kernel"]
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # float64 keeps the PyTorch reference
 
-_SOURCE = r"""
+# What both CPU kernels share (this one and one_query_cpu.py's): loads, exp, dot, the online softmax step
+# and attend_tile, one tile of keys through it.
+TILE_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -163,6 +166,9 @@ static void attend_tile(const float* q, const T* k_base, const T* v_base, const 
     weighted_sum(acc + i * D, scores + i * tile, v_base, rows, (i / group) * D, n, D);
 }
 
+"""
+
+_SOURCE = TILE_SOURCE + r"""
 // One task: `heads` query heads of one sequence, q (heads, D) fp32 pre-scaled; query head i reads kv head
 // i / group of each pool row. Walk the sequence's blocks with the online softmax, write out (heads, D).
 template <typename T>
@@ -232,91 +238,12 @@ torch::Tensor decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
   return out;
 }
 
-// The contiguous kernel (the static cache's compiled decode step): one task per (b, kv head) with its G query
-// heads; a key whose additive mask is -inf is never read, the others go through attend_tile kTile at a time.
-template <typename T>
-static void one_query_all(const T* q, const T* k, const T* v, const float* mask, int64_t mask_stride, float scale,
-                          T* out, float* lse, int64_t B, int64_t H, int64_t Hkv, int64_t Tk, int64_t D) {
-  constexpr int64_t kTile = 64;
-  constexpr float kNone = -std::numeric_limits<float>::infinity();
-  const int64_t G = H / Hkv;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores(G * kTile), bias(kTile), m(G), l(G);
-    std::vector<int64_t> rows(kTile);
-    for (int64_t task = begin; task < end; ++task) {  // task = b * Hkv + kv head; its query heads task*G ...
-      const int64_t h0 = task * G;
-      const T* k_head = k + task * Tk * D;  // (Tk, D)
-      const T* v_head = v + task * Tk * D;
-      const float* mask_row = mask ? mask + task / Hkv * mask_stride : nullptr;
-      for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[h0 * D + i]) * scale;
-      std::fill(m.begin(), m.end(), kNone);
-      std::fill(l.begin(), l.end(), 0.f);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      auto flush = [&](int64_t n) {
-        attend_tile(qf.data(), k_head, v_head, rows.data(), mask ? bias.data() : nullptr, n, G, G, D, m.data(),
-                    l.data(), acc.data(), scores.data(), kTile);
-      };
-      int64_t n = 0;
-      for (int64_t t = 0; t < Tk; ++t) {
-        const float add = mask_row ? mask_row[t] : 0.f;
-        if (add == kNone) continue;  // masked: skipped, its K and V rows never read
-        rows[n] = t * D;
-        bias[n] = add;
-        if (++n == kTile) flush(n), n = 0;
-      }
-      if (n) flush(n);
-      for (int64_t i = 0; i < G; ++i) {  // a row with no key left: out 0, logsumexp -inf (never NaN)
-        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-        for (int64_t d = 0; d < D; ++d) out[(h0 + i) * D + d] = static_cast<T>(acc[i * D + d] * inv);
-        lse[h0 + i] = l[i] > 0.f ? m[i] + std::log(l[i]) : kNone;
-      }
-    }
-  });
-}
-
-// q (B, H, 1, D); key, value (B, Hkv, Tk, D); attn_mask None or (B or 1, 1, 1, Tk), bool (True = may attend)
-// or additive -> out (B, H, 1, D) in q's dtype, logsumexp (B, H, 1) fp32: what aten's CPU flash attention returns
-std::tuple<torch::Tensor, torch::Tensor> one_query(torch::Tensor q, torch::Tensor key, torch::Tensor value,
-                                                   std::optional<torch::Tensor> attn_mask, double scale) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = key.size(1), Tk = key.size(2);
-  TORCH_CHECK(q.size(2) == 1 && H % Hkv == 0, "mt_paged::one_query: one query row, H a multiple of Hkv");
-  TORCH_CHECK(q.dtype() == key.dtype() && value.dtype() == key.dtype(), "mt_paged::one_query: one dtype");
-  auto qc = q.contiguous(), kc = key.contiguous(), vc = value.contiguous();
-  torch::Tensor mask;  // (B or 1, Tk) fp32, additive
-  if (attn_mask) {
-    const auto& am = *attn_mask;
-    TORCH_CHECK(am.dim() == 4 && am.size(1) == 1 && am.size(2) == 1 && am.size(3) == Tk &&
-                (am.size(0) == 1 || am.size(0) == B), "mt_paged::one_query: a (B or 1, 1, 1, Tk) mask");
-    mask = am.dtype() == torch::kBool
-               ? torch::zeros(am.sizes(), q.options().dtype(torch::kFloat32)).masked_fill_(am.logical_not(), -INFINITY)
-               : am.to(torch::kFloat32);
-    mask = mask.reshape({am.size(0), Tk}).contiguous();
-  }
-  auto out = torch::empty({B, H, 1, D}, q.options());
-  auto lse = torch::empty({B, H, 1}, q.options().dtype(torch::kFloat32));
-  auto run = [&](auto* type) {
-    using T = std::remove_pointer_t<decltype(type)>;
-    one_query_all<T>(qc.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), mask.defined() ? mask.data_ptr<float>() : nullptr,
-                     mask.defined() && mask.size(0) == B ? Tk : 0, (float)scale, out.data_ptr<T>(), lse.data_ptr<float>(),
-                     B, H, Hkv, Tk, D);
-  };
-  switch (q.scalar_type()) {
-    case at::kFloat: run((float*)nullptr); break;
-    case at::kBFloat16: run((at::BFloat16*)nullptr); break;
-    case at::kHalf: run((at::Half*)nullptr); break;
-    default: TORCH_CHECK(false, "mt_paged::one_query: float32, bfloat16 or float16");
-  }
-  return {out, lse};
-}
-
 TORCH_LIBRARY(mt_paged, m) {
   m.def("decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "int block_size, float scale) -> Tensor");
-  m.def("one_query(Tensor q, Tensor key, Tensor value, Tensor? attn_mask, float scale) -> (Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(mt_paged, CPU, m) {
   m.impl("decode", &decode);
-  m.impl("one_query", &one_query);
 }
 """
 
@@ -328,17 +255,11 @@ def decode_kernel_available() -> bool:
     if not build("mt_paged", _SOURCE, "paged decode attention"):
         return False
     torch.library.register_fake("mt_paged::decode")(_decode_shape)
-    torch.library.register_fake("mt_paged::one_query")(_one_query_shape)
     return True
 
 
 def _decode_shape(q, k_cache, v_cache, block_tables, context_lens, block_size, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-
-def _one_query_shape(q, key, value, attn_mask, scale):
-    B, H, _, D = q.shape
-    return q.new_empty((B, H, 1, D)), q.new_empty((B, H, 1), dtype=torch.float32)
 
 
 def paged_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -347,11 +268,3 @@ def paged_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     must be True; q and the pools on the CPU, in one of KERNEL_DTYPES)."""
     return torch.ops.mt_paged.decode(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
 
-
-def one_query_kernel(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query row against contiguous keys: q (B, H, 1, D), key/value (B, Hkv, Tk, D), attn_mask None or
-    (B or 1, 1, 1, Tk), bool (True = may attend) or additive (-inf = may not) -> (out (B, H, 1, D),
-    logsumexp (B, H, 1) fp32), as aten's CPU flash attention returns them. Masked keys are never read, so a
-    static cache's unwritten slots cost nothing. decode_kernel_available() must be True; one of KERNEL_DTYPES."""
-    return torch.ops.mt_paged.one_query(q, key, value, attn_mask, scale)
