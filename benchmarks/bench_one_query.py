@@ -41,15 +41,19 @@ def decomposition_only():
 
 
 def compile_step(fn, use_kernel: bool, *args):
-    """fn compiled through the decode backend; its first call (the compile) with or without the kernel."""
+    """fn compiled through the decode backend, with or without the kernel. Every call of the decomposition's
+    runs under decomposition_only(), since dynamo may compile again on a later call (another grad mode)."""
     compiled = torch.compile(fn, backend=static_cache._cpu_decode_backend, fullgraph=True, dynamic=False)
-    with torch.inference_mode():
+
+    def call(*call_args):
         if use_kernel:
-            compiled(*args)
-        else:
-            with decomposition_only():
-                compiled(*args)
-    return compiled
+            return compiled(*call_args)
+        with decomposition_only():
+            return compiled(*call_args)
+
+    with torch.inference_mode():
+        call(*args)
+    return call
 
 
 def attend_kernel(q, k, v, visible):  # two functions, not one: dynamo keeps one compiled graph per code object
@@ -126,18 +130,20 @@ def main() -> None:
     p.add_argument("--parts", nargs="+", default=["attn", "step"], choices=["attn", "step"])
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     add_common_args(p, threads=1, device=False, plot=None)
     args = p.parse_args()
     apply_common_args(args)
     torch.manual_seed(0)
     if "attn" in args.parts:
-        rows = [row for dtype in (torch.float32, torch.bfloat16) for row in run_attention(dtype, 200, 5 * args.repeats)]
+        dtypes = [getattr(torch, name) for name in args.dtypes]
+        rows = [row for dtype in dtypes for row in run_attention(dtype, 200, 5 * args.repeats)]
         print(f"\none layer's attention, 1 x 12/4 heads x D 64, {SLAB}-slot slab; {load()}")
         print(table(rows, dict(dtype="dtype", context="context (keys)", kernel="kernel us",
                                decomposition="decomposition us", speedup="kernel speed-up")))
     if "step" in args.parts:
         model = TransformerLM(TransformerConfig(**LLAMA)).eval()
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in [getattr(torch, name) for name in args.dtypes]:
             rows, note = run_steps(model.to(dtype), args.new_tokens, args.repeats)
             print(f"\n{dtype} greedy decode step, {args.new_tokens} tokens, 64-token prompt; {load()}")
             print(table(rows, dict(how="how", dtype="dtype", ms="ms per step"), ratio=("ms", "decomposition")))
