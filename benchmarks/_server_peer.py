@@ -8,8 +8,8 @@ that field). Both run on the CPU with the same thread count, one at a time: a se
 up, measured and stopped, alternating ours, HF, ours, HF (the machine is shared; its speed drifts).
 
 Per run: N concurrent non-streamed greedy requests (prompts of min..max words, `--peer-tokens` new
-tokens each), output tokens/s = all completion tokens / (first send -> last response); then the
-time to first token of a lone streamed request (median of `--lone-requests`), after the warm-up.
+tokens each), output tokens/s = all completion tokens / (first send -> last response). The lone
+request's time to first token is measured afterwards, both servers up at once (_ttft_peer.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -129,27 +128,6 @@ async def saturate(name: str, url: str, model: str, prompts: list[str], max_toke
     return sum(tokens) / seconds, [text for _, text in results]
 
 
-async def lone_ttft(name: str, url: str, model: str, prompt: str, max_tokens: int) -> float:
-    """Seconds from sending one streamed request to its first chunk with text."""
-    import json
-
-    import httpx
-
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        began = time.perf_counter()
-        async with client.stream("POST", "/v1/completions", json=body(name, model, prompt, max_tokens, True)) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"{name}: HTTP {r.status_code} {await r.aread()}")
-            first = None
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                choices = json.loads(line[6:]).get("choices") or [{}]
-                if first is None and choices[0].get("text"):
-                    first = time.perf_counter() - began
-    return first
-
-
 def measure_server(name, cmd, port, args, model_dir, prompts, log_dir) -> dict:
     proc, url, ready_s = start(cmd, port, args.threads, log_dir / f"{name}.log")
     model = str(model_dir)
@@ -157,21 +135,20 @@ def measure_server(name, cmd, port, args, model_dir, prompts, log_dir) -> dict:
         warm_began = time.perf_counter()
         asyncio.run(saturate(name, url, model, prompts[:2], 4))  # HF builds its batching manager here
         warm_s = time.perf_counter() - warm_began
-        lone = [asyncio.run(lone_ttft(name, url, model, prompts[i % len(prompts)], 8))
-                for i in range(args.lone_requests)]
         tok_s, texts = asyncio.run(saturate(name, url, model, prompts, args.peer_tokens))
     finally:
         stop(proc)
-    return {"tok_s": tok_s, "ttft_ms": 1000 * statistics.median(lone), "texts": texts, "ready_s": ready_s,
-            "warm_s": warm_s}
+    return {"tok_s": tok_s, "texts": texts, "ready_s": ready_s, "warm_s": warm_s}
 
 
-def run_peer(args, log_dir: Path) -> None:
+def run_peer(args, log_dir: Path) -> tuple[Path, list[str]]:
+    """The saturated runs, alternating; returns the model directory and the servers that ran."""
     rng = random.Random(args.seed)
     prompts = [" ".join(f"w{rng.randrange(VOCAB)}" for _ in range(rng.randint(args.min_len, args.max_len)))
                for _ in range(args.peer_requests)]
     model_dir = log_dir / "llama-6x384-gqa-v8192"
-    write_hf_llama(model_dir, max_len=2 * (args.max_len + args.peer_tokens), seed=args.seed)
+    longest = max(args.max_len, *(int(n) for n in args.ttft_lengths.split(",")))  # _ttft_peer's prompts too
+    write_hf_llama(model_dir, max_len=2 * (longest + args.peer_tokens), seed=args.seed)
     names = ["ours", "hf"]
     skipped = None
     try:
@@ -191,7 +168,11 @@ def run_peer(args, log_dir: Path) -> None:
                 skipped = str(err)
                 names.remove("hf")
                 runs.pop("hf", None)
-    report(runs, skipped, args)
+    if args.pairs:
+        report(runs, skipped, args)
+    elif skipped:
+        print(f"\nHF skipped: {skipped}")
+    return model_dir, names
 
 
 def report(runs: dict, skipped: str | None, args) -> None:
@@ -199,20 +180,18 @@ def report(runs: dict, skipped: str | None, args) -> None:
           f"{args.max_len} tokens, {args.peer_tokens} greedy tokens each; Llama 6x384 GQA vocab 8192 (random "
           f"weights, one HF directory); {args.threads} thread(s) per server; runs alternate ours, HF, ...; "
           f"uptime load {os.getloadavg()[0]:.2f}\n")
-    print("| server | output tok/s (each run) | best | lone TTFT ms (median of each run) | ready s / warm-up s |")
-    print("|---|---|---:|---:|---:|")
+    print("| server | output tok/s (each run) | best | ready s / warm-up s |")
+    print("|---|---|---:|---:|")
     labels = {"ours": "mini-transformer serve (sdpa)", "hf": "transformers serve --continuous-batching"}
     for name, rs in runs.items():
         each = ", ".join(f"{r['tok_s']:.1f}" for r in rs)
-        ttft = ", ".join(f"{r['ttft_ms']:.0f}" for r in rs)
         ready = ", ".join(f"{r['ready_s']:.0f}/{r['warm_s']:.0f}" for r in rs)
-        print(f"| {labels[name]} | {each} | {max(r['tok_s'] for r in rs):.1f} | {ttft} | {ready} |")
+        print(f"| {labels[name]} | {each} | {max(r['tok_s'] for r in rs):.1f} | {ready} |")
     if skipped:
         print(f"\nHF row skipped: {skipped}")
         return
     ratios = [o["tok_s"] / h["tok_s"] for o, h in zip(runs["ours"], runs["hf"], strict=True)]
-    ttft = [o["ttft_ms"] / h["ttft_ms"] for o, h in zip(runs["ours"], runs["hf"], strict=True)]
     same = sum(a == b for a, b in zip(runs["ours"][-1]["texts"], runs["hf"][-1]["texts"], strict=True))
     print(f"\nours / HF output tok/s, pair by pair: {', '.join(f'{r:.2f}' for r in ratios)} (target ≥ 2: "
-          f"{'met' if min(ratios) >= 2 else 'MISSED'}); lone TTFT ours / HF: {', '.join(f'{r:.2f}' for r in ttft)}; "
-          f"greedy texts identical: {same} of {len(runs['hf'][-1]['texts'])}")
+          f"{'met' if min(ratios) >= 2 else 'MISSED'}); greedy texts identical: {same} of "
+          f"{len(runs['hf'][-1]['texts'])}")

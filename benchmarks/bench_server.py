@@ -25,7 +25,8 @@ p50 TPOT <= 2 x the lone request's.
 
     python benchmarks/bench_server.py                       # 64 requests per rate (minutes on 2 cores)
     python benchmarks/bench_server.py --requests 16 --max-len 64 --plot server.png
-    python benchmarks/bench_server.py --hf-peer --max-len 256   # only: ours vs `transformers serve` (_server_peer.py)
+    python benchmarks/bench_server.py --hf-peer --max-len 256   # only: ours vs `transformers serve` (_server_peer.py,
+                                                                # lone TTFT and its floor: _ttft_peer.py)
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def parse_args(argv=None):
     add_serving_args(p, max_len=128, requests_help="requests per rate")
     p.add_argument("--rates", default="0.5,1.25,2.5", help="finite request rates, as multiples of the serial capacity")
     p.add_argument("--pairs", type=int, default=2, help="saturated server runs, each right after an offline run")
-    p.add_argument("--lone-requests", type=int, default=8, help="requests sent one at a time for the reference")
+    p.add_argument("--lone-requests", type=int, default=8, help="requests sent one at a time for the reference "
+                                                                    "(--hf-peer: per server and prompt length)")
     p.add_argument("--n-layer", type=int, default=6)
     p.add_argument("--d-model", type=int, default=384)
     p.add_argument("--seed", type=int, default=0)
@@ -72,6 +74,8 @@ def parse_args(argv=None):
                         "Llama directory (vocab 8192), --peer-requests at once, alternating --pairs times")
     p.add_argument("--peer-requests", type=int, default=48, help="--hf-peer: concurrent requests per run")
     p.add_argument("--peer-tokens", type=int, default=64, help="--hf-peer: new tokens per request")
+    p.add_argument("--ttft-lengths", default="4,16,64,256",
+                   help="--hf-peer: prompt lengths (tokens) of the lone requests whose TTFT is compared")
     return p.parse_args(argv)
 
 
@@ -291,9 +295,11 @@ def main(argv=None) -> None:
     print(f"load before: {os.getloadavg()[0]:.2f} (1-min average) on {os.cpu_count()} cores")
     if args.hf_peer:
         from _server_peer import run_peer
+        from _ttft_peer import run_lone_ttft
 
         with tempfile.TemporaryDirectory() as tmp:
-            run_peer(args, Path(tmp))
+            model_dir, names = run_peer(args, Path(tmp))  # saturated: ours, HF, ours, HF
+            run_lone_ttft(model_dir, names, args, Path(tmp))  # then lone requests, both servers up
         return
     workload = make_workload(args.requests, args, args.seed)
     with tempfile.TemporaryDirectory() as tmp:

@@ -273,3 +273,30 @@ def test_generate_long_keeps_a_stopped_row_stopped_in_later_chunks():
     out = generate_long(model, idx, 30, eos_token_id=eos)
     assert out[0].tolist() == first + [eos] * 27
     assert out[1].tolist() == row1_alone
+
+
+def test_graph_step_calls_the_compiled_graph_without_dynamo_and_gives_its_logits():
+    """generate(compile=True) calls the compiled graph directly from its second step (GraphStep): on CPU it
+    finds the token among the graph's recorded inputs, and its logits equal the dynamo-called step's, step
+    after step, on a second cache fed the same tokens (one graph, so bit for bit)."""
+    import importlib
+
+    from mini_transformer.inference.static_cache import compiled_decode_step, decode_cache
+
+    GraphStep = importlib.import_module("mini_transformer.inference.generate").GraphStep
+    torch.manual_seed(0)
+    model = small_model("rope", n_kv_heads=2, backend="sdpa").eval()
+    idx = torch.randint(0, VOCAB, (2, 5))
+    with torch.inference_mode():
+        caches = [decode_cache(model, 2, 40, dtype=torch.float32, device="cpu") for _ in range(2)]
+        token = [model(idx, cache=c, check=False)[0][:, -1] for c in caches][0].argmax(-1)  # (B,)
+        step = compiled_decode_step("cpu")
+        direct = GraphStep(step, model, token, caches[0])
+        assert direct.graph is not None, "the CPU backend's recording found no usable graph call"
+        want = step(model, token, caches[1])
+        assert torch.equal(direct.first_logits, want)
+        for _ in range(6):
+            token = want.argmax(-1)
+            got, want = direct(model, token, caches[0]), step(model, token, caches[1])
+            assert torch.equal(got, want)
+        assert not torch.equal(got, direct.first_logits)  # the cache moved on: not one stale answer

@@ -88,7 +88,7 @@ def reference_in_float64(x, layer: Int4Linear) -> torch.Tensor:
     dx = xg.abs().amax(dim=-1, keepdim=True) / 127
     x_hat = torch.where(dx == 0, 0.0, torch.round(xg / dx) * dx).view(x.shape)
     q = unpack_nibbles(layer.weight).double().view(N, G, gs)
-    scale, low = layer.gemv_scale.double()[..., None], layer.gemv_low.double()[..., None]  # (N, G, 1)
+    scale, low = layer.gemv_scale_low.double()[..., None].unbind(-2)  # (N, G, 1) each
     return x_hat @ (q * scale).view(N, -1).T + x.double() @ low.expand(N, G, gs).reshape(N, -1).T
 
 
@@ -102,13 +102,29 @@ def test_int4_gemv_kernel_and_reference_agree_with_float64(group_size, rows):
     x = torch.randn(rows, 256) * torch.rand(256) * 4  # groups of different ranges
     x[:, :group_size] = 0  # a group of zeros: dx = 0
     want = reference_in_float64(x, layer)
-    ref = int4_gemv_reference(x, layer.weight, layer.gemv_scale, layer.gemv_low, group_size)
+    ref = int4_gemv_reference(x, layer.weight, layer.gemv_scale_low, group_size)
     torch.testing.assert_close(ref.double(), want, rtol=1e-5, atol=1e-5)
     if not kernel_available():
         pytest.skip("the int4 C++ kernel cannot be built here")
     assert layer.gemv_kernel
-    got = torch.ops.mt_gemv.int4(x, layer.weight, layer.gemv_scale, layer.gemv_low, group_size)
+    got = torch.ops.mt_gemv.int4(x, layer.weight, layer.gemv_scale_low, group_size)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(group_size=st.sampled_from([32, 64, 128, 256]), groups=st.integers(1, 9), out_features=st.integers(1, 70),
+       rows=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_int4_gemv_kernel_over_shapes(group_size, groups, out_features, rows, seed):
+    """Every path of the C++ kernel (the VNNI loop for K a multiple of 128 and groups of 64 or 128k, the
+    plain loop otherwise: K = 64 x odd, group 32) against the float64 definition, for any rows and width."""
+    if not kernel_available():
+        pytest.skip("the int4 C++ kernel cannot be built here")
+    torch.manual_seed(seed)
+    K = group_size * groups
+    layer = Int4Linear.from_linear(nn.Linear(K, out_features, bias=False), group_size)
+    x = torch.randn(rows, K) * torch.rand(K) * 4
+    got = torch.ops.mt_gemv.int4(x, layer.weight, layer.gemv_scale_low, group_size)
+    torch.testing.assert_close(got.double(), reference_in_float64(x, layer), rtol=1e-5, atol=1e-5)
 
 
 def test_int8_kernel_equals_dequantize_then_matmul():

@@ -39,6 +39,44 @@ def decode_step(model: TransformerLM, token: torch.Tensor, cache: KVCache) -> to
     return logits[:, -1]
 
 
+class GraphStep:
+    """The compiled decode step of ONE (model, cache), called without dynamo from the second step on.
+
+    Each call of a dynamo-compiled function walks the model to gather its ~180 weight and cache tensors,
+    looks its graph up and (even with skip_guard_eval_unsafe) checks the tensors for aliasing: ~0.4 ms of
+    CPU per step on a 12-layer model (9% of an int8 step, measured; docs/08). Inside one generate() call
+    the inputs are the same tensors every step except the token. So the first step goes through dynamo
+    (every guard checked) while the CPU backend records the flat inputs it passes the graph; later steps
+    call the graph with that list, the new token in its slot. Where nothing usable was recorded (cuda's
+    CUDA graphs, a graph that does not take the token as one input), it keeps dynamo, skipping guards."""
+
+    def __init__(self, step: Callable, model: TransformerLM, token: torch.Tensor, cache):
+        from .static_cache import RECORDING
+
+        self.step, self.graph = step, None
+        RECORDING.calls = []
+        try:
+            self.first_logits = step(model, token, cache)  # (B, V), through dynamo with its guards
+            calls = RECORDING.calls
+        finally:
+            RECORDING.calls = None
+        if len(calls) != 1:
+            return
+        graph, inputs, outputs = calls[0]
+        token_at = [i for i, t in enumerate(inputs) if t is token]
+        logits_at = [i for i, t in enumerate(outputs) if t is self.first_logits]
+        if len(token_at) == 1 and len(logits_at) == 1:
+            self.graph, self.inputs, self.token_at, self.logits_at = graph, list(inputs), token_at[0], logits_at[0]
+
+    def __call__(self, model: TransformerLM, token: torch.Tensor, cache) -> torch.Tensor:
+        if self.graph is None:
+            from .static_cache import step_without_guards
+
+            return step_without_guards(self.step, model, token, cache)
+        self.inputs[self.token_at] = token  # (B,) int64 like the first: sample_next's argmax
+        return self.graph(*self.inputs)[self.logits_at]
+
+
 def as_sampling_params(params: SamplingParams | int, sampling: dict) -> SamplingParams:
     """generate's two call forms, one object: SamplingParams as given, or max_new_tokens + keywords."""
     if isinstance(params, SamplingParams):
@@ -163,7 +201,7 @@ def _generate(model, idx, params: SamplingParams, *, attention_mask, eos_token_i
         if use_cache:
             dtype = model.tok_emb.weight.dtype
             if compile:  # fixed shapes: every decode step runs the same compiled graph
-                from .static_cache import compiled_decode_step, decode_cache, static_length, step_without_guards
+                from .static_cache import compiled_decode_step, decode_cache, static_length
 
                 max_len = static_length(T + n_new, model.config.max_seq_len)
                 cache = decode_cache(model, B, max_len, dtype=dtype, device=device)
@@ -186,8 +224,11 @@ def _generate(model, idx, params: SamplingParams, *, attention_mask, eos_token_i
             if step == n_new - 1:
                 break
             all_stopped = finished.all() if len(stops) else None  # (), still on the device
-            if use_cache and compile and step > 0:
-                logits = step_without_guards(step_fn, model, next_ids, cache)
+            if use_cache and compile and step == 0:
+                graph_step = GraphStep(step_fn, model, next_ids, cache)
+                logits = graph_step.first_logits
+            elif use_cache and compile:
+                logits = graph_step(model, next_ids, cache)
             elif use_cache:
                 logits = step_fn(model, next_ids, cache)
             else:  # the naive way: the whole sequence again, to read one new row of logits

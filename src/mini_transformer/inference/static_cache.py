@@ -22,6 +22,7 @@ the slots it writes, [0, T), exactly as KVCache does; only the single-token step
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -263,7 +264,24 @@ def _cpu_decode_backend(gm, example_inputs):
     # A module-level function is pickled by name instead.
     with functorch_config.patch(enable_autograd_cache=False), \
             mock.patch.object(compile_fx_module, "select_decomp_table", decode_decompositions):
-        return compile_fx_module.compile_fx(gm, example_inputs, config_patches=options)
+        return _recordable(compile_fx_module.compile_fx(gm, example_inputs, config_patches=options))
+
+
+class _Recording(threading.local):
+    calls: list | None = None  # while a list: each call of a compiled graph appends (graph, inputs, outputs)
+
+
+RECORDING = _Recording()
+
+
+def _recordable(graph: Callable) -> Callable:
+    """The compiled graph, with a way to see the flat inputs dynamo hands it (generate.GraphStep)."""
+    def call(*inputs):
+        outputs = graph(*inputs)
+        if RECORDING.calls is not None:
+            RECORDING.calls.append((graph, inputs, outputs))
+        return outputs
+    return call
 
 
 def decode_decompositions() -> dict:

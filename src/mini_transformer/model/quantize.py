@@ -138,9 +138,9 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
         self.register_buffer("kernel_weight", None, persistent=False)
         self.register_buffer("kernel_scales_and_zeros", None, persistent=False)
-        # (N, G) each, for the int4 x int8 GEMV of decode rows (gemv_kernels.py); rebuilt by repack(), not saved
-        self.register_buffer("gemv_scale", None, persistent=False)
-        self.register_buffer("gemv_low", None, persistent=False)
+        # (N, G, 2): each group's scale and minimum side by side, for the int4 x int8 GEMV (gemv_kernels.py:
+        # a row's bytes in one stream); rebuilt by repack(), not saved
+        self.register_buffer("gemv_scale_low", None, persistent=False)
         self.gemv_kernel = False  # a plain attribute (a compiled step sees a constant): the C++ kernel built
         self.register_load_state_dict_post_hook(lambda module, _keys: module.repack())
 
@@ -162,12 +162,12 @@ class Int4Linear(nn.Module):
         return layer
 
     def repack(self) -> None:
-        """The decode GEMV's (N, G) scales and group minimums; and, with use_kernel, aten's CPU kernel's
+        """The GEMV's (N, G, 2) scales and group minimums; and, with use_kernel, aten's CPU kernel's
         own packing of the weight, if that kernel runs here. It takes groups of 32, 64, 128 or 256 and N
         divisible by 16: other N (GPT-2's 50257-word head) get zero rows up to the next multiple of 16,
         and the output is cut back to N."""
         scale, zero = self.scales_and_zeros.transpose(0, 1).unbind(-1)  # (N, G) each
-        self.gemv_scale, self.gemv_low = scale.contiguous(), (zero - 8 * scale).contiguous()
+        self.gemv_scale_low = torch.stack([scale, zero - 8 * scale], dim=-1)  # (N, G, 2)
         self.gemv_kernel = self.weight.device.type == "cpu" and kernel_groups_ok(self.group_size) \
             and kernel_available()
         self.kernel_weight = self.kernel_scales_and_zeros = None
@@ -196,10 +196,10 @@ class Int4Linear(nn.Module):
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         """(M, K) float32 -> (M, N): gemv_kernels.py's arithmetic, by the C++ kernel where it built."""
-        scale, low = self.gemv_scale.float(), self.gemv_low.float()  # no-ops unless the model was cast after
+        scale_low = self.gemv_scale_low.float()  # a no-op unless the model was cast after quantize()
         if self.gemv_kernel and x.device.type == "cpu":
-            return torch.ops.mt_gemv.int4(x, self.weight, scale, low, self.group_size)
-        return int4_gemv_reference(x, self.weight, scale, low, self.group_size)
+            return torch.ops.mt_gemv.int4(x, self.weight, scale_low, self.group_size)
+        return int4_gemv_reference(x, self.weight, scale_low, self.group_size)
 
 
 def quantize(model: nn.Module, mode: str, group_size: int = 64, *, packed_kernels: bool = False) -> nn.Module:

@@ -2,8 +2,10 @@
 
 The engine is not thread-safe, so exactly one thread ever touches it: it takes new requests and aborts
 from an inbox, runs `engine.step()`, and hands each request's new token ids to that request's asyncio
-queue (`loop.call_soon_threadsafe`). While nothing is in flight it sleeps on the inbox. Requests from
-all clients meet in the same engine steps: that is continuous batching seen from the server.
+queue (`loop.call_soon_threadsafe`). While nothing is in flight it sleeps on the inbox, and a request
+put there wakes it at once (a blocking get, not a poll: a lone request's time to first token is the
+HTTP hops plus its prefill step). Requests from all clients meet in the same engine steps: that is
+continuous batching seen from the server.
 
     HTTP handler --submit()--> inbox --thread--> engine.add_checked_request / step / abort
     HTTP handler <--asyncio.Queue-- Accepted | StepOutput | Failed <--thread--
@@ -35,6 +37,7 @@ STATE_INTERVAL_S = 0.1  # the engine state snapshot is rebuilt at most this ofte
 RATE_WINDOW_S = 2.0  # tokens/s is measured over this trailing window
 ERROR_PAUSE_S = 0.05  # after an unexpected error: a fault that repeats every turn must not spin a core
 RETRY_AFTER_S = 1  # the Retry-After of a 429, in seconds: in-flight requests free their places quickly
+IDLE_WAIT_S = 0.5  # an idle engine thread republishes its state this often; a new request wakes it at once
 
 
 @dataclass
@@ -190,7 +193,7 @@ class EngineLoop:
 
     def _drain_inbox(self, block: bool) -> None:
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:

@@ -63,9 +63,10 @@ def warm_up_engine(engine) -> None:
     decode rows run the C++ kernel (attention/paged_cpu.py), built when the engine is made, and this takes
     ~0.2 s; where that kernel cannot be built, the paged decode attention is compiled on first use (10-40 s
     on 2 busy cores), and compiled again for each shape family it meets: one or several sequences, one or
-    several blocks per table, decode-only or mixed with prefill (torch.compile specialises sizes 0 and 1 and the slices of a mixed step). Without
-    this, the first clients would wait for those compilations. The dummy requests count in the engine's
-    stats (steps, tokens computed) like any others; their blocks are freed when they finish."""
+    several blocks per table, decode-only or mixed with prefill (torch.compile specialises sizes 0 and 1
+    and the slices of a mixed step). Without this, the first clients would wait for those compilations.
+    The dummy requests count in the engine's stats (steps, tokens computed) like any others; their blocks
+    are freed when they finish."""
     from ..inference.sampling import SamplingParams
 
     cfg = engine.config
