@@ -208,23 +208,32 @@ def host_share_line(name: str, stats: dict) -> str:
     return f"host share of a step ({name}, whole run): {stats['host_share']:.1%}"
 
 
-def steady_host_share(model, prompts, params, args, steps: int = 32) -> tuple[int, float, float]:
-    """Host share of decode steps with every request running: all prompts prefilled first (each request
-    asks for all the room its context has left, to outlast the timed steps). Returns (running sequences,
-    share, ms per step)."""
-    engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+def steady_host_shares(model, prompts, ways: dict, args, steps: int = 32, rounds: int = 5) -> dict:
+    """Host share of decode steps with every request running, per way (name -> per-request params): all
+    prompts prefilled first (each request asks for all the room its context has left, to outlast the
+    timed steps), then `steps` steps of each way in turn, `rounds` times (A B A B: the machine's load
+    falls on both alike). Returns name -> (running sequences, median share, median ms per step)."""
     n = min(len(prompts), args.max_num_seqs)
-    for prompt, p in zip(prompts[:n], params[:n], strict=True):
-        engine.add_request(prompt, dataclasses.replace(p, max_tokens=model.config.max_seq_len - len(prompt)))
-    while engine.stats()["prefill_tokens_computed"] < sum(map(len, prompts[:n])):
-        engine.step()
+    engines = {}
+    for name, params in ways.items():
+        engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens)
+        for prompt, p in zip(prompts[:n], params[:n], strict=True):
+            engine.add_request(prompt, dataclasses.replace(p, max_tokens=model.config.max_seq_len - len(prompt)))
+        while engine.stats()["prefill_tokens_computed"] < sum(map(len, prompts[:n])):
+            engine.step()
+        engines[name] = engine
     timer = ForwardTimer.of(model)
-    timer.seconds, start = 0.0, time.perf_counter()
-    for _ in range(steps):
-        assert len(engine.step()) == n, "every sequence makes a token in every timed step"
-    seconds = time.perf_counter() - start
-    return n, 1 - timer.seconds / seconds, 1000 * seconds / steps
+    shares, ms = {name: [] for name in ways}, {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            timer.seconds, start = 0.0, time.perf_counter()
+            for _ in range(steps):
+                assert len(engine.step()) == n, "every sequence makes a token in every timed step"
+            seconds = time.perf_counter() - start
+            shares[name].append(1 - timer.seconds / seconds)
+            ms[name].append(1000 * seconds / steps)
+    return {name: (n, statistics.median(shares[name]), statistics.median(ms[name])) for name in ways}
 
 
 def sampled_params(out_lens):
@@ -260,12 +269,14 @@ def sampled_workload(model, args):
         each = ", ".join(f"{t:.1f}" for t in timing.times)
         print(f"| {name} | {each} | {n_tokens / timing.median:.1f} | {greedy / timing.median:.2f}× |")
     print()
-    print(f"host share of a step = 1 - forward time / step time; uptime load {os.getloadavg()[0]:.2f}\n")
+    steady = steady_host_shares(model, prompts, ways, args)
+    print(f"host share of a step = 1 - forward time / step time; decode steps with all running: 5 rounds of "
+          f"32 steps per engine, alternating, median shown; uptime load {os.getloadavg()[0]:.2f}\n")
     print("| engine | host share, whole run (last) | running sequences | host share, decode steps with all "
           "running | ms per such step |")
     print("|---|---:|---:|---:|---:|")
     for name, stats in last_stats.items():
-        n, share, ms = steady_host_share(model, prompts, ways[name], args)
+        n, share, ms = steady[name]
         print(f"| {name} | {stats['host_share']:.1%} | {n} | {share:.1%} | {ms:.2f} |")
     profile_sampled_steps(model, prompts, ways["sampled"], args)
 

@@ -12,7 +12,7 @@ from test_engine import VOCAB, alone, make_model, make_prompts
 
 from mini_transformer import SamplingParams
 from mini_transformer.engine import InvalidRequest, LLMEngine
-from mini_transformer.engine.sampler import Sampler, penalise, row_values
+from mini_transformer.engine.sampler import BatchPlan, Sampler, penalise
 from mini_transformer.engine.sequence import Sequence, TokenLogprob
 from mini_transformer.inference.sampling import sample_next
 
@@ -57,8 +57,9 @@ def params_strategy():
 @given(data=st.data(), rows=st.integers(1, 6), seed=st.integers(0, 2**16))
 def test_batched_sampler_equals_one_row_at_a_time(data, rows, seed):
     """Random mixes of greedy and seeded sampled rows, every parameter on or off, three steps in a row
-    (the device-side counts then hold tokens the sampler itself added): every id equals sample_next on
-    that row alone with the same seed."""
+    (the device-side counts then hold tokens the sampler itself added), each step the same batch (the
+    sampler reuses its plan) or a random part of it in a random order (a new plan): every id equals
+    sample_next on that row alone with the same seed."""
     gen = torch.Generator().manual_seed(seed)
     seqs = []
     for i in range(rows):
@@ -66,14 +67,18 @@ def test_batched_sampler_equals_one_row_at_a_time(data, rows, seed):
         output = data.draw(st.lists(st.integers(0, V - 1), max_size=4))
         seqs.append(sequence(data.draw(params_strategy()), prompt, output, request_id=str(i)))
     sampler = Sampler(V, torch.device("cpu"))
+    batch = seqs
     for _ in range(3):
-        logits = torch.randn(rows, V, generator=gen) * 3
-        want = [reference(logits[i], seq) for i, seq in enumerate(seqs)]
-        for seq in seqs:  # the batch's generators restart from the seed, as the reference's did
+        if data.draw(st.booleans()):  # else the same batch as the last step
+            order = data.draw(st.permutations(range(rows)))
+            batch = [seqs[i] for i in order[:data.draw(st.integers(1, rows))]]
+        logits = torch.randn(len(batch), V, generator=gen) * 3
+        want = [reference(logits[i], seq) for i, seq in enumerate(batch)]
+        for seq in batch:  # the batch's generators restart from the seed, as the reference's did
             seq.generator = seq.params.make_generator()
-        got = sampler.sample(logits, seqs).ids.tolist()
+        got = sampler.sample(logits, batch).ids.tolist()
         assert got == want
-        for seq, token in zip(seqs, got, strict=True):
+        for seq, token in zip(batch, got, strict=True):
             seq.output_token_ids.append(token)
 
 
@@ -107,9 +112,8 @@ def test_penalties_change_logits_exactly_as_defined():
                             logit_bias={9: 2.5, 30: -100})
     seqs = [sequence(params, prompt, output), sequence(SamplingParams(), prompt, output)]
     sampler = Sampler(V, torch.device("cpu"))
-    values = torch.tensor([row_values(s.params, V) for s in seqs])
-    slots = [sampler.counts.row(seqs[0]), 0]
-    got = penalise(logits, seqs, values, sampler.counts, slots)
+    plan = BatchPlan.of(seqs, sampler.counts, V, torch.device("cpu"))
+    got = penalise(logits, seqs, plan, sampler.counts)
     want = logits[0].double().clone()
     want[9] += 2.5
     want[30] -= 100

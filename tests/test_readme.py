@@ -13,7 +13,10 @@ How each example is run, and the only things that differ from a user's shell:
   stopped with SIGTERM when a later `serve` takes its port, or at the end, and must then exit 0;
 - Python blocks: the blocks of one README section run as one script in one process (a reader types them
   in order); names a section reads but never defines (`idx`, `mask`, `q`, ...: the API section writes
-  signatures) get the inputs PLACEHOLDERS defines, shaped as the README's comments say.
+  signatures) get the inputs PLACEHOLDERS defines, shaped as the README's comments say;
+- bytecode: where the suite's environment says not to write it (PYTHONDONTWRITEBYTECODE) and the venv has
+  none, conftest.py lets every process write and reuse it in one cache (PYTHONPYCACHEPREFIX), as a user's
+  Python does next to the sources: the same code runs, each process skips compiling torch's modules again.
 A step fails on a non-zero exit or an OpenAI error object in its output (curl prints a 400's body and
 exits 0). Skipped, with the reason: `pytest` (the suite this test belongs to), `torchrun` where gloo is
 missing, lines that need CUDA on a machine without it, a `redis://HOST:PORT` where no server answers.

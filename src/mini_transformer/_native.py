@@ -22,12 +22,14 @@ _built: dict[str, bool] = {}
 def _build_name(prefix: str, source: str) -> str:
     """The extension's name: the CPU's flags, torch's version and the source are part of it, since it is
     built with -march=native and a shared cache directory might otherwise hand one machine's (or one
-    version's) build to another."""
+    version's) build to another. So is torch's directory: the build's command line names it (-isystem, -L),
+    and ninja rebuilds when the command changes, so two virtual environments sharing the cache would
+    otherwise rebuild each other's kernel (~30 s on 2 cores) every time they took turns."""
     flags = ""
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
-    key = f"{platform.machine()} {flags} {torch.__version__} {source}"
+    key = f"{platform.machine()} {flags} {torch.__version__} {os.path.dirname(torch.__file__)} {source}"
     return f"{prefix}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 

@@ -130,7 +130,9 @@ class ModelRunner:
             samples.append(start + n == seq.num_tokens)
             if samples[-1]:
                 last_rows.append(len(input_ids) - 1)
-        positions = np.concatenate([np.arange(c - n, c) for c, n in zip(context_lens, query_lens, strict=True)])
+        ctx, new = np.asarray(context_lens), np.asarray(query_lens)
+        first = ctx - new - (np.cumsum(new) - new)  # per pair: its first position minus its first packed row
+        positions = np.repeat(first, new) + np.arange(new.sum())  # (N,), no Python loop over the pairs
         rows_of_seqs = self.block_table.rows_for([seq for seq, _ in scheduled])  # first: it may grow the table
         tables = self.block_table.table[rows_of_seqs]
         meta = PagedAttentionMetadata.build(tables, context_lens, query_lens, self.block_size, self.device)

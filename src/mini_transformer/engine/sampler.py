@@ -113,30 +113,87 @@ class Sampled:
     top_ids: torch.Tensor | None = None
 
 
-def penalise(x: torch.Tensor, seqs: list[Sequence], values: torch.Tensor, counts: TokenCounts,
-             slots: list[int]) -> torch.Tensor:
+@dataclass
+class BatchPlan:
+    """What the sampler knows about a batch of sequences before seeing its logits, as host lists and small
+    device tensors. Nothing in it changes while the batch stays the same (a request's parameters and its
+    count row are fixed for its life), and in a decode phase the batch IS the same step after step: the
+    sampler builds it once and reuses it (vLLM's persistent batch, in small). Only what moves per step --
+    min_tokens (the output grows), the generators, the grammar's mask -- is read from the sequences each step.
+
+        values (M, 7)  row_values of every row;  slots (M,) each row's TokenCounts row (0: none)
+        sampled        rows that draw (the rest take the argmax), sampled_index on the device (None: all)
+        penalised      rows with a penalty, with their count rows (count_index, count_rows) on the device
+        use            filters some sampled row needs; repetition / presence_frequency: penalties some row uses
+    """
+
+    seqs: tuple[Sequence, ...]
+    values: torch.Tensor
+    slots: torch.Tensor
+    sampled: list[int]
+    sampled_index: torch.Tensor | None
+    penalised: list[int]
+    count_index: torch.Tensor
+    count_rows: torch.Tensor
+    use: set[str]
+    repetition: bool
+    presence_frequency: bool
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, ids, values of every logit_bias
+    min_tokens: list[int]  # rows whose request has a min_tokens (banned stop ids while it is not reached)
+    logprob_rows: list[int]
+    seeded: list[tuple[int, int]]  # (place among the sampled rows, row) of the rows with their own generator
+    constrained: bool  # does some row follow a grammar (engine/structured.py)?
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], counts: TokenCounts, vocab_size: int, device: torch.device) -> BatchPlan:
+        params = [seq.params for seq in seqs]
+        sampled = [row for row, p in enumerate(params) if not p.greedy]
+        penalised = [row for row, p in enumerate(params) if p.penalised]
+        slots = [counts.row(seqs[row]) if row in penalised else 0 for row in range(len(seqs))]
+        rows, ids, bias = [], [], []
+        for row, p in enumerate(params):
+            for token, value in p.logit_bias:
+                rows.append(row), ids.append(token), bias.append(value)
+        long = torch.long
+        return cls(
+            tuple(seqs), to_device([row_values(p, vocab_size) for p in params], torch.float32, device),
+            to_device(slots, long, device), sampled,
+            None if len(sampled) == len(seqs) else to_device(sampled, long, device),
+            penalised, to_device(penalised, long, device), to_device([slots[r] for r in penalised], long, device),
+            set().union(*(filters_used(params[row], vocab_size) for row in sampled)),
+            any(p.repetition_penalty not in (None, 1.0) for p in params),
+            any(p.presence_penalty or p.frequency_penalty for p in params),
+            (to_device(rows, long, device), to_device(ids, long, device), to_device(bias, torch.float32, device))
+            if rows else None,
+            [row for row, p in enumerate(params) if p.min_tokens],
+            [row for row, p in enumerate(params) if p.logprobs is not None],
+            [(i, row) for i, row in enumerate(sampled) if seqs[row].generator is not None],
+            any(seq.grammar is not None for seq in seqs))
+
+
+def penalise(x: torch.Tensor, seqs: list[Sequence], plan: BatchPlan, counts: TokenCounts) -> torch.Tensor:
     """logit_bias, min_tokens, repetition, frequency and presence on (M, V) float logits, per row."""
-    rows, ids, bias, banned_rows, banned_ids = [], [], [], [], []
-    for row, seq in enumerate(seqs):
-        for token, value in seq.params.logit_bias:
-            rows.append(row), ids.append(token), bias.append(value)
+    device = x.device
+    if plan.bias is not None:
+        rows, ids, bias = plan.bias
+        x = x.index_put((rows, ids), bias, accumulate=True)  # x is float32 (sample's logits.float())
+    banned_rows, banned_ids = [], []
+    for row in plan.min_tokens:
+        seq = seqs[row]
         if len(seq.output_token_ids) < seq.params.min_tokens:
             banned_rows += [row] * len(seq.stop_token_ids)
             banned_ids += seq.stop_token_ids
-    device = x.device
-    if rows:
-        index = (to_device(rows, torch.long, device), to_device(ids, torch.long, device))
-        x = x.index_put(index, to_device(bias, x.dtype, device), accumulate=True)
     if banned_rows:
         index = (to_device(banned_rows, torch.long, device), to_device(banned_ids, torch.long, device))
         x = x.index_put(index, torch.full((), float("-inf"), device=device))
-    if any(slots):
-        slot_index = to_device(slots, torch.long, device)
-        output = counts.output[slot_index]  # (M, V)
-        seen = counts.in_prompt[slot_index] | (output > 0)
-        repetition, presence, frequency = values[:, 4:5], values[:, 5:6], values[:, 6:7]  # (M, 1) each
-        x = repetition_penalised(x, seen, repetition)
-        x = apply_presence_frequency(x, output, presence, frequency)
+    if plan.penalised:
+        output = counts.output[plan.slots]  # (M, V)
+        values = plan.values
+        if plan.repetition:
+            seen = counts.in_prompt[plan.slots] | (output > 0)
+            x = repetition_penalised(x, seen, values[:, 4:5])
+        if plan.presence_frequency:
+            x = apply_presence_frequency(x, output, values[:, 5:6], values[:, 6:7])
     return x
 
 
@@ -158,16 +215,15 @@ def filtered(x: torch.Tensor, values: torch.Tensor, use: set[str]) -> torch.Tens
     return x
 
 
-def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """(S, V) probabilities -> (S,) ids by sampling.draw_from_probs's exponential race; a row with a
-    generator draws its noise from it (the same draws as sample_next on that row alone), the others
-    share one draw from torch's global generator."""
+def draw(probs: torch.Tensor, seeded: list[tuple[int, torch.Generator]], unseeded: bool = True) -> torch.Tensor:
+    """(S, V) probabilities -> (S,) ids by sampling.draw_from_probs's exponential race; a seeded row
+    (row, its generator) draws its noise from its generator (the same draws as sample_next on that row
+    alone), the others (if `unseeded`) share one draw from torch's global generator."""
     race = torch.empty_like(probs, dtype=torch.float32)
-    if any(g is None for g in generators):
+    if unseeded:
         race.uniform_()
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            race[row].uniform_(generator=generator)
+    for row, generator in seeded:
+        race[row].uniform_(generator=generator)
     return (probs / race.log_().neg_()).argmax(dim=-1)  # -log(U) ~ Exp(1), as sampling.exponential_noise
 
 
@@ -197,36 +253,37 @@ class Sampler:
         self.vocab_size, self.device = vocab_size, device
         self.counts = TokenCounts(vocab_size, device)
         self.grammar = GrammarMasks(vocab_size, device)  # structured output; idle while no row is constrained
+        self._plan: BatchPlan | None = None
+
+    def plan(self, seqs: list[Sequence]) -> BatchPlan:
+        """The batch's plan: the last step's when the batch is the same sequences in the same order."""
+        if self._plan is None or self._plan.seqs != tuple(seqs):  # tuple equality: identity first, so cheap
+            self._plan = BatchPlan.of(seqs, self.counts, self.vocab_size, self.device)
+        return self._plan
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
         """(M, V) logits of the sequences that pick a token this step -> their ids, on the device."""
-        V, device = self.vocab_size, self.device
+        device = self.device
+        plan = self.plan(seqs)
         raw = logits.float()
-        sampled = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
-        penalised = [row for row, seq in enumerate(seqs) if seq.params.penalised]
-        adjusted = any(seq.params.logit_bias or seq.params.min_tokens for seq in seqs)
         x = raw
-        if sampled or penalised or adjusted:
-            values = to_device([row_values(seq.params, V) for seq in seqs], torch.float32, device)  # (M, 7)
-            slots = [self.counts.row(seq) if seq.params.penalised else 0 for seq in seqs]
-            x = penalise(raw, seqs, values, self.counts, slots)
-        if any(seq.grammar is not None for seq in seqs):  # after the penalties, before argmax and the filters
+        if plan.sampled or plan.penalised or plan.bias is not None or plan.min_tokens:
+            x = penalise(raw, seqs, plan, self.counts)
+        if plan.constrained:  # after the penalties, before argmax and the filters
             x = self.grammar.apply(raw.clone() if x is raw else x, seqs)  # raw stays raw for the logprobs
-        ids = x.argmax(dim=-1) if len(sampled) < len(seqs) else None  # (M,): greedy rows keep theirs
-        if sampled:
-            every_row = len(sampled) == len(seqs)
-            index = None if every_row else to_device(sampled, torch.long, device)
-            use = set().union(*(filters_used(seqs[row].params, V) for row in sampled))
-            probs = torch.softmax(filtered(x if every_row else x[index], values if every_row else values[index],
-                                           use), dim=-1)  # (S, V)
-            drawn = draw(probs, [seqs[row].generator for row in sampled])
-            ids = drawn if every_row else ids.index_copy(0, index, drawn)
-        if penalised:  # count the new tokens where the next step's penalties will read them
-            rows = to_device(penalised, torch.long, device)
-            self.counts.output.index_put_((to_device([slots[row] for row in penalised], torch.long, device),
-                                           ids[rows]), torch.ones((), dtype=torch.int32, device=device),
-                                          accumulate=True)
-        out = Sampled(ids, [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None])
+        ids = x.argmax(dim=-1) if len(plan.sampled) < len(seqs) else None  # (M,): greedy rows keep theirs
+        if plan.sampled:
+            index = plan.sampled_index  # None: every row samples
+            probs = torch.softmax(filtered(x if index is None else x[index],
+                                           plan.values if index is None else plan.values[index], plan.use),
+                                  dim=-1)  # (S, V)
+            seeded = [(i, seqs[row].generator) for i, row in plan.seeded]  # each step: generators can be swapped
+            drawn = draw(probs, seeded, unseeded=len(seeded) < len(plan.sampled))
+            ids = drawn if index is None else ids.index_copy(0, index, drawn)
+        if plan.penalised:  # count the new tokens where the next step's penalties will read them
+            self.counts.output.index_put_((plan.count_rows, ids[plan.count_index]),
+                                          torch.ones((), dtype=torch.int32, device=device), accumulate=True)
+        out = Sampled(ids, plan.logprob_rows)
         if out.logprob_rows:
             rows = to_device(out.logprob_rows, torch.long, device)
             n = max(seqs[row].params.logprobs for row in out.logprob_rows)
