@@ -52,7 +52,9 @@ def test_one_query_kernel_equals_float64(B, groups, Hkv, Tk, D, mask_kind, share
     out, lse = one_query_kernel(q, k, v, mask, scale)
     want, want_lse = exact_one_query(q, k, v, keep, scale)
     assert out.dtype == torch.float32 and out.shape == q.shape and lse.shape == (B, Hkv * groups, 1)
-    assert (out.double() - want).abs().max() <= 1e-6
+    # fp32 arithmetic: an output is a weighted mean of up to 200 V rows, each weight from a 7th-degree exp;
+    # its error stays within a few fp32 roundings of the largest |v| (seen: 1.0e-6 with |v| up to 3.5)
+    assert (out.double() - want).abs().max() <= 16 * torch.finfo(torch.float32).eps * v.abs().max()
     assert (lse.double() - want_lse).abs().max() <= 1e-5 * (1 + want_lse.abs().max())
 
 
