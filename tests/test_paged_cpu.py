@@ -154,3 +154,4 @@ def test_the_cpu_engine_decodes_through_the_kernel(monkeypatch):
     outputs = engine.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)
     assert outputs == [generate(model, torch.tensor([p]), 8)[0].tolist() for p in prompts]
     assert engine.stats()["mixed_steps"] > 0 and max(calls) > 1  # several sequences in one call
+

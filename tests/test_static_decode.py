@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from support import padded_prompts, small_lm
 
 from mini_transformer import KVCache, TransformerConfig, TransformerLM, generate
+from mini_transformer.attention import one_query_cpu
+from mini_transformer.inference import static_cache
 from mini_transformer.inference.static_cache import (
     StaticCache,
     _one_query_attention,
@@ -275,7 +277,53 @@ def test_compiled_batch_of_one_runs_its_matmuls_as_reductions(compiled_setup):
     calls = ("extern_kernels.addmm(", "extern_kernels.mm(", "_scaled_dot_product_flash_attention_for_cpu.default(")
     for aten_kernel in calls:  # calls, not the "Original ATen" comments that name the ops they replace
         assert not any(aten_kernel in c for c in code), aten_kernel
+    if one_query_cpu.kernel_available():  # the attention: the C++ one-query kernel, once per layer
+        assert sum(c.count("torch.ops.mt_one_query.attend.default(") for c in code) == model.config.n_layer
     assert torch.equal(got, generate(model, idx, N_NEW))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_one_query_kernel_equals_the_decomposition(dtype, monkeypatch):
+    """fp32/bf16/fp16 one-query attention goes to the C++ kernel (where it builds): the decomposition it
+    replaces (its reference) gives the same output within fp32 summation order (16-bit: one rounding) and
+    logsumexp, with the static cache's mask (a written prefix, bool or sdpa's additive form, batch 1 or B)."""
+    if not one_query_cpu.kernel_available():
+        pytest.skip("the C++ kernel cannot be built here")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(shape).to(dtype) for shape in ((2, 6, 1, 24), (2, 2, 50, 24), (2, 2, 50, 24)))
+    keep = torch.arange(50) < torch.tensor([17, 50]).reshape(2, 1, 1, 1)  # (2, 1, 1, 50)
+    for mask in (None, keep, keep[:1], torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf"))):
+        calls = []
+
+        def counted(*args, calls=calls):
+            calls.append(1)
+            return torch.ops.mt_one_query.attend(*args)
+
+        monkeypatch.setattr(one_query_cpu, "one_query_kernel", counted)
+        out, lse = _one_query_attention(q, k, v, attn_mask=mask, scale=0.3)
+        monkeypatch.setattr(static_cache, "_one_query_kernel_takes", lambda *a: False)
+        want, want_lse = _one_query_attention(q, k, v, attn_mask=mask, scale=0.3)
+        monkeypatch.undo()
+        assert calls == [1] and out.dtype == want.dtype == dtype and lse.dtype == want_lse.dtype == torch.float32
+        bound = {torch.float32: 1e-6}.get(dtype, torch.finfo(dtype).eps)
+        assert ((out.float() - want.float()).abs() <= bound * (1 + want.float().abs())).all()
+        torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-5)
+
+
+def test_without_the_kernel_the_compiled_step_runs_the_decomposition(monkeypatch):
+    """Where the C++ kernel is not built (MT_NATIVE_KERNELS=0, no compiler), the compiled step has no
+    mt_one_query call and still gives eager's greedy tokens (a layout no other test compiles: d_model 36)."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(one_query_cpu, "kernel_available", lambda: False)
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=VOCAB, d_model=36, n_heads=6, n_kv_heads=2, n_layer=2, d_ff=48, max_seq_len=48,
+                            pos_emb="rope", norm="rmsnorm", ffn="swiglu", bias=False, attn_backend="sdpa")
+    model = TransformerLM(cfg).eval()
+    idx = torch.randint(0, VOCAB, (1, 4))
+    got, code = run_and_get_code(generate, model, idx, 20, compile=True)
+    assert code and not any("mt_one_query" in c for c in code)
+    assert torch.equal(got, generate(model, idx, 20))
 
 
 def test_cpu_decode_backend_settings_stay_inside_its_compile():

@@ -22,6 +22,7 @@ load, so bf16/fp16 compute in fp32 like the reference. One task per (sequence, k
 
 Registered as the operator `mt_paged::decode` (with a fake for torch.compile); built on first use by
 `_native.build`. `decode_kernel_available()` is False where it cannot be built: callers use the reference.
+Its tile loop (TILE_SOURCE) also serves one_query_cpu.py, the static cache's kernel.
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ import torch
 
 from .._native import build
 
-__all__ = ["KERNEL_DTYPES", "decode_kernel_available", "paged_decode_kernel"]
+__all__ = ["KERNEL_DTYPES", "TILE_SOURCE", "decode_kernel_available", "paged_decode_kernel"]
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # float64 keeps the PyTorch reference
 
-_SOURCE = r"""
+# What both CPU kernels share (this one and one_query_cpu.py's): loads, exp, dot, the online softmax step
+# and attend_tile, one tile of keys through it.
+TILE_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -83,15 +86,36 @@ static inline float dot(const float* q, const T* k, int64_t D) {
   return sum;
 }
 
-// acc += p * v over D
+// acc (D) += sum_t p[t] * v_t over n rows, v_t = v_base + rows[t] + offset. 64 floats of acc at a time stay in
+// registers for all n rows (written back once, not once per row: the store-then-load of acc per row was the
+// loop's critical path).
 template <typename T>
-static inline void add_scaled(float* acc, float p, const T* v, int64_t D) {
+static inline void weighted_sum(float* acc, const float* p, const T* v_base, const int64_t* rows, int64_t offset,
+                                int64_t n, int64_t D) {
   int64_t d = 0;
 #ifdef MT_AVX512
-  const __m512 pp = _mm512_set1_ps(p);
-  for (; d + 16 <= D; d += 16) _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pp, load16(v + d), _mm512_loadu_ps(acc + d)));
+  for (; d + 64 <= D; d += 64) {
+    __m512 a0 = _mm512_loadu_ps(acc + d), a1 = _mm512_loadu_ps(acc + d + 16), a2 = _mm512_loadu_ps(acc + d + 32),
+           a3 = _mm512_loadu_ps(acc + d + 48);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* v = v_base + rows[t] + offset + d;
+      const __m512 pp = _mm512_set1_ps(p[t]);
+      a0 = _mm512_fmadd_ps(pp, load16(v), a0);
+      a1 = _mm512_fmadd_ps(pp, load16(v + 16), a1);
+      a2 = _mm512_fmadd_ps(pp, load16(v + 32), a2);
+      a3 = _mm512_fmadd_ps(pp, load16(v + 48), a3);
+    }
+    _mm512_storeu_ps(acc + d, a0), _mm512_storeu_ps(acc + d + 16, a1);
+    _mm512_storeu_ps(acc + d + 32, a2), _mm512_storeu_ps(acc + d + 48, a3);
+  }
+  for (; d + 16 <= D; d += 16) {
+    __m512 a = _mm512_loadu_ps(acc + d);
+    for (int64_t t = 0; t < n; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), load16(v_base + rows[t] + offset + d), a);
+    _mm512_storeu_ps(acc + d, a);
+  }
 #endif
-  for (; d < D; ++d) acc[d] += p * static_cast<float>(v[d]);
+  for (; d < D; ++d)
+    for (int64_t t = 0; t < n; ++t) acc[d] += p[t] * static_cast<float>(v_base[rows[t] + offset + d]);
 }
 
 // The online softmax's step for one query head and one block of scores x (n,): x becomes exp(x - m'),
@@ -119,12 +143,38 @@ static inline float online_softmax_step(float* x, int64_t n, float& m, float& l)
   return rescale;
 }
 
+// One tile of n keys through the online softmax, for `heads` query heads q (heads, D) fp32 pre-scaled, each
+// with its state m, l, acc (D). Key t's K row starts at k_base + rows[t] and its V row at v_base + rows[t];
+// query head i reads the part (i / group) * D of them; bias (n,) is added to the scores where not null.
+// Both kernels walk their keys tile by tile through this: the paged one a block, the contiguous one a run
+// of unmasked keys.
+template <typename T>
+static void attend_tile(const float* q, const T* k_base, const T* v_base, const int64_t* rows, const float* bias,
+                        int64_t n, int64_t heads, int64_t group, int64_t D, float* m, float* l, float* acc,
+                        float* scores, int64_t tile) {
+  for (int64_t t = 0; t < n; ++t) {  // scores (heads, n): each key row read once for all its query heads
+    const T* k = k_base + rows[t];
+    const float b = bias ? bias[t] : 0.f;
+    for (int64_t i = 0; i < heads; ++i) scores[i * tile + t] = dot(q + i * D, k + (i / group) * D, D) + b;
+  }
+  for (int64_t i = 0; i < heads; ++i) {  // scores -> weights; shrink what came before if the max grew
+    const float rescale = online_softmax_step(scores + i * tile, n, m[i], l[i]);
+    if (rescale != 1.f)
+      for (int64_t d = 0; d < D; ++d) acc[i * D + d] *= rescale;
+  }
+  for (int64_t i = 0; i < heads; ++i)  // acc += weights @ V (the tile's V rows stay in L1 across the heads)
+    weighted_sum(acc + i * D, scores + i * tile, v_base, rows, (i / group) * D, n, D);
+}
+
+"""
+
+_SOURCE = TILE_SOURCE + r"""
 // One task: `heads` query heads of one sequence, q (heads, D) fp32 pre-scaled; query head i reads kv head
 // i / group of each pool row. Walk the sequence's blocks with the online softmax, write out (heads, D).
 template <typename T>
 static void attend_one(const float* q, const T* k_pool, const T* v_pool, const int64_t* table, int64_t n_keys,
                        int64_t block_size, int64_t row_stride, int64_t heads, int64_t group, int64_t D,
-                       float* acc, float* scores, T* out) {
+                       float* acc, float* scores, int64_t* rows, T* out) {
   const int64_t row_bytes = heads / group * D * sizeof(T);  // the part of a pool row this task reads
   std::vector<float> m(heads, -std::numeric_limits<float>::infinity()), l(heads, 0.f);
   std::fill(acc, acc + heads * D, 0.f);
@@ -139,19 +189,9 @@ static void attend_one(const float* q, const T* k_pool, const T* v_pool, const i
           __builtin_prefetch((const char*)(v_pool + (next + t) * row_stride) + byte);
         }
     }
-    for (int64_t t = 0; t < n; ++t) {  // scores (heads, n): each key row read once for all its query heads
-      const T* k = k_pool + (first_slot + t) * row_stride;
-      for (int64_t i = 0; i < heads; ++i) scores[i * block_size + t] = dot(q + i * D, k + (i / group) * D, D);
-    }
-    for (int64_t i = 0; i < heads; ++i) {  // scores -> weights; shrink what came before if the max grew
-      const float rescale = online_softmax_step(scores + i * block_size, n, m[i], l[i]);
-      if (rescale != 1.f)
-        for (int64_t d = 0; d < D; ++d) acc[i * D + d] *= rescale;
-    }
-    for (int64_t t = 0; t < n; ++t) {  // acc += weights @ V_j, each value row read once
-      const T* v = v_pool + (first_slot + t) * row_stride;
-      for (int64_t i = 0; i < heads; ++i) add_scaled(acc + i * D, scores[i * block_size + t], v + (i / group) * D, D);
-    }
+    for (int64_t t = 0; t < n; ++t) rows[t] = (first_slot + t) * row_stride;
+    attend_tile(q, k_pool, v_pool, rows, (const float*)nullptr, n, heads, group, D, m.data(), l.data(), acc, scores,
+                block_size);
   }
   for (int64_t i = 0; i < heads; ++i)
     for (int64_t d = 0; d < D; ++d) out[i * D + d] = static_cast<T>(acc[i * D + d] / l[i]);
@@ -165,9 +205,10 @@ static void decode_all(const float* q, const T* k_pool, const T* v_pool, const i
   // task reads whole rows (measured: bf16 pools 0.86 vs 1.18 ms a layer with a task per kv head)
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(H * D), scores(H * block_size);  // scratch, reused by this thread's tasks
+    std::vector<int64_t> rows(block_size);
     for (int64_t s = begin; s < end; ++s)
       attend_one(q + s * H * D, k_pool, v_pool, tables + s * B, lens[s], block_size, Hkv * D, H, G, D,
-                 acc.data(), scores.data(), out + s * H * D);
+                 acc.data(), scores.data(), rows.data(), out + s * H * D);
   });
 }
 
@@ -226,3 +267,4 @@ def paged_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """paged_decode_attention's arguments and result, computed by the C++ kernel (decode_kernel_available()
     must be True; q and the pools on the CPU, in one of KERNEL_DTYPES)."""
     return torch.ops.mt_paged.decode(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
+

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..attention import one_query_cpu
 from ..model import bf16_gemv
 from ..model.cache import Attend
 from ..model.transformer import TransformerLM
@@ -192,10 +193,16 @@ def _one_row_sum(mat1, mat2, wide: torch.dtype):
 def _one_query_attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     """aten's CPU flash attention for ONE query row (B, H, 1, D), written as reductions inductor fuses:
     scores = sum_d q k, softmax over the keys, out = sum_t p v. Returns (out, logsumexp) as the op does.
-    The flash kernel tiles for many queries; with one it streams K and V at a fraction of the bandwidth."""
+    The flash kernel tiles for many queries; with one it streams K and V at a fraction of the bandwidth.
+    fp32/bf16/fp16 on the CPU go to attention/one_query_cpu.py's C++ kernel where it builds (the online
+    softmax of the paged decode kernel, and it skips the masked, not yet written slots of the static slab,
+    which these reductions read all of: measured ~88 -> see docs/08); this decomposition is its reference."""
     B, H, L, D = query.shape
     if L != 1 or dropout_p != 0.0 or is_causal or query.dtype not in FLOAT_DTYPES:
         return NotImplemented
+    scale = D ** -0.5 if scale is None else scale
+    if _one_query_kernel_takes(query, key, value, attn_mask):
+        return one_query_cpu.one_query_kernel(query, key, value, attn_mask, scale)
     dtype = query.dtype
     if dtype in (torch.bfloat16, torch.float16):  # scores, softmax and the sum over keys in fp32
         query, key, value = query.float(), key.float(), value.float()
@@ -203,7 +210,7 @@ def _one_query_attention(query, key, value, dropout_p=0.0, is_causal=False, *, a
             attn_mask = attn_mask.float()
     Hkv, Tk = key.shape[1], key.shape[2]
     q = query.reshape(B, Hkv, H // Hkv, 1, D)  # (B, Hkv, G, 1, D): head h reads kv head h // G, as sdpa's GQA
-    scores = (q * key[:, :, None]).sum(dim=-1) * (D ** -0.5 if scale is None else scale)  # (B, Hkv, G, Tk)
+    scores = (q * key[:, :, None]).sum(dim=-1) * scale  # (B, Hkv, G, Tk)
     scores = scores.reshape(B, H, 1, Tk)
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
@@ -211,6 +218,16 @@ def _one_query_attention(query, key, value, dropout_p=0.0, is_causal=False, *, a
     p = torch.exp(scores - lse[..., None]).reshape(B, Hkv, H // Hkv, Tk, 1)  # (B, Hkv, G, Tk, 1)
     out = (p * value[:, :, None]).sum(dim=-2)  # (B, Hkv, G, D)
     return out.reshape(B, H, 1, D).to(dtype), lse
+
+
+def _one_query_kernel_takes(query, key, value, attn_mask) -> bool:
+    """Whether attention/one_query_cpu.py's C++ kernel computes this call: CPU, fp32/bf16/fp16 (float64
+    keeps the decomposition above, the reference), a mask shared by the heads, and the kernel built."""
+    B, Tk = query.shape[0], key.shape[2]
+    shared_mask = attn_mask is None or (attn_mask.dim() == 4 and attn_mask.shape[0] in (1, B)
+                                        and attn_mask.shape[1:] == (1, 1, Tk))
+    return (query.device.type == "cpu" and query.dtype in one_query_cpu.KERNEL_DTYPES and shared_mask
+            and key.dtype == value.dtype == query.dtype and one_query_cpu.kernel_available())
 
 
 def _cpu_decode_backend(gm, example_inputs):
