@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mini_transformer import TransformerConfig, TransformerLM, generate
+from mini_transformer.attention.one_query_cpu import kernel_available as one_query_kernel_available
 from mini_transformer.model.bf16_gemv import MAX_ROWS, bf16_gemv, bf16_gemv_reference, kernel_available
 
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no AVX512_BF16 build of the kernel here")
@@ -116,6 +117,8 @@ def test_compiled_bf16_decode_runs_the_kernel_close_to_eager(batch, bias):
     got, code = run_and_get_code(generate, model, idx, n, compile=True)
     assert code, "the bf16 step was not compiled here"
     assert any("mt_bf16.gemv" in c for c in code)
+    if one_query_kernel_available():  # bf16 attention: the C++ one-query kernel, once per layer
+        assert sum(c.count("torch.ops.mt_one_query.attend.default(") for c in code) == model.config.n_layer
     assert not any(call in c for c in code for call in ("extern_kernels.addmm(", "extern_kernels.mm("))
     want = generate(model, idx, n)
     compiled = StaticCache.for_model(model.config, batch, 64, dtype=torch.bfloat16)

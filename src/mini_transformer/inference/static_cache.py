@@ -194,9 +194,9 @@ def _one_query_attention(query, key, value, dropout_p=0.0, is_causal=False, *, a
     """aten's CPU flash attention for ONE query row (B, H, 1, D), written as reductions inductor fuses:
     scores = sum_d q k, softmax over the keys, out = sum_t p v. Returns (out, logsumexp) as the op does.
     The flash kernel tiles for many queries; with one it streams K and V at a fraction of the bandwidth.
-    fp32/bf16/fp16 on the CPU go to attention/one_query_cpu.py's C++ kernel where it builds (the online
+    bf16/fp16 on the CPU go to attention/one_query_cpu.py's C++ kernel where it builds (the online
     softmax of the paged decode kernel, and it skips the masked, not yet written slots of the static slab,
-    which these reductions read all of: measured ~88 -> see docs/08); this decomposition is its reference."""
+    which these reductions read all of: 89 -> 44 us per layer, bf16, docs/08); this decomposition is its reference."""
     B, H, L, D = query.shape
     if L != 1 or dropout_p != 0.0 or is_causal or query.dtype not in FLOAT_DTYPES:
         return NotImplemented
@@ -220,13 +220,20 @@ def _one_query_attention(query, key, value, dropout_p=0.0, is_causal=False, *, a
     return out.reshape(B, H, 1, D).to(dtype), lse
 
 
+_ONE_QUERY_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def _one_query_kernel_takes(query, key, value, attn_mask) -> bool:
-    """Whether attention/one_query_cpu.py's C++ kernel computes this call: CPU, fp32/bf16/fp16 (float64
-    keeps the decomposition above, the reference), a mask shared by the heads, and the kernel built."""
+    """Whether attention/one_query_cpu.py's C++ kernel computes this call: CPU, bf16/fp16, a mask shared by
+    the heads, and the kernel built. fp32 keeps the decomposition above (float64 too: it is the reference):
+    with fp32 activations inductor fuses the whole step, attention included, into one C++ function, and an
+    extern op would split it at every layer; measured on the 124.7M Llama, 255 steps, the kernel and the
+    decomposition taking turns: fp32 0.95-0.99x with the kernel, bf16 1.02-1.26x (its GEMV op splits the
+    graph anyway)."""
     B, Tk = query.shape[0], key.shape[2]
     shared_mask = attn_mask is None or (attn_mask.dim() == 4 and attn_mask.shape[0] in (1, B)
                                         and attn_mask.shape[1:] == (1, 1, Tk))
-    return (query.device.type == "cpu" and query.dtype in one_query_cpu.KERNEL_DTYPES and shared_mask
+    return (query.device.type == "cpu" and query.dtype in _ONE_QUERY_KERNEL_DTYPES and shared_mask
             and key.dtype == value.dtype == query.dtype and one_query_cpu.kernel_available())
 
 
