@@ -210,11 +210,13 @@ def test_one_row_matmuls_become_a_reduction_with_aten_s_numbers(k, n, rows, dtyp
         return
     want = x.double() @ w.double().t()  # (rows, N)
     assert got_mm.dtype == got_addmm.dtype == dtype
-    # the float sum's own error: at most ~k unit roundings of sum |x w| (fp32 sums for 16-bit inputs too)
-    sum_slack = (x.double().abs() @ w.double().abs().t()) * k * {torch.float64: 2 ** -52}.get(dtype, 2 ** -23)
+    # the float sum's own error: at most ~k + 1 unit roundings of the sum of |terms| (the bias is a term;
+    # 16-bit inputs are summed in fp32 too), then the one final rounding to the dtype
+    unit = {torch.float64: 2 ** -52}.get(dtype, 2 ** -23)
     rounding = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}.get(dtype, 0.0)  # half an ulp of the result
-    for got, exact in ((got_mm, want), (got_addmm, want + b.double())):
-        assert bool(((got.double() - exact).abs() <= sum_slack + rounding * exact.abs() + 1e-30).all())
+    magnitude = x.double().abs() @ w.double().abs().t()  # (rows, N) sum of |x w|
+    for got, exact, terms in ((got_mm, want, magnitude), (got_addmm, want + b.double(), magnitude + b.double().abs())):
+        assert bool(((got.double() - exact).abs() <= terms * (k + 1) * unit + rounding * exact.abs() + 1e-30).all())
     assert _one_row_addmm(b, x, w.t(), beta=2) is NotImplemented
 
 
