@@ -11,6 +11,7 @@ import hashlib
 import os
 import platform
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -33,10 +34,11 @@ def _build_name(prefix: str, source: str) -> str:
     return f"{prefix}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
-def build(prefix: str, source: str, what: str) -> bool:
+def build(prefix: str, source: str, what: str, fakes: dict[str, Callable] | None = None) -> bool:
     """Build (first call in a process: ~30 s, then cached on disk) and load `source`, which registers its
-    operators with TORCH_LIBRARY. False, with one warning naming `what`, where it cannot be built; False
-    without a warning where MT_NATIVE_KERNELS=0 asks for the PyTorch references."""
+    operators with TORCH_LIBRARY; then register each operator's shape function from `fakes` ("lib::op" ->
+    fn), so torch.compile can trace a call without running it. False, with one warning naming `what`,
+    where it cannot be built; False without a warning where MT_NATIVE_KERNELS=0 asks for the references."""
     if prefix in _built:
         return _built[prefix]
     ok = False
@@ -50,5 +52,8 @@ def build(prefix: str, source: str, what: str) -> bool:
         except Exception as error:  # noqa: BLE001 - any build failure means: use the reference
             warnings.warn(f"the {what} C++ kernel could not be built ({error}); using the PyTorch reference",
                           stacklevel=3)
+    if ok:
+        for name, shape in (fakes or {}).items():
+            torch.library.register_fake(name)(shape)
     _built[prefix] = ok
     return ok

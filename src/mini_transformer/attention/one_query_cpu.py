@@ -118,10 +118,7 @@ TORCH_LIBRARY_IMPL(mt_one_query, CPU, m) {
 def kernel_available() -> bool:
     """Build and load the C++ kernel (first call in a process: ~30 s, then cached on disk); False where
     it cannot be built or MT_NATIVE_KERNELS=0 asks for the PyTorch reference."""
-    if not build("mt_one_query", _SOURCE, "one-query attention"):
-        return False
-    torch.library.register_fake("mt_one_query::attend")(_attend_shape)
-    return True
+    return build("mt_one_query", _SOURCE, "one-query attention", fakes={"mt_one_query::attend": _attend_shape})
 
 
 def _attend_shape(q, key, value, attn_mask, scale):

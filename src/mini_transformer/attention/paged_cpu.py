@@ -252,10 +252,7 @@ TORCH_LIBRARY_IMPL(mt_paged, CPU, m) {
 def decode_kernel_available() -> bool:
     """Build and load the C++ kernel (first call in a process: ~30 s, then cached on disk); False where
     it cannot be built or MT_NATIVE_KERNELS=0 asks for the PyTorch reference."""
-    if not build("mt_paged", _SOURCE, "paged decode attention"):
-        return False
-    torch.library.register_fake("mt_paged::decode")(_decode_shape)
-    return True
+    return build("mt_paged", _SOURCE, "paged decode attention", fakes={"mt_paged::decode": _decode_shape})
 
 
 def _decode_shape(q, k_cache, v_cache, block_tables, context_lens, block_size, scale):

@@ -176,9 +176,8 @@ def bf16_gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 def kernel_available() -> bool:
     """Build and load the C++ kernel (first call in a process). True only where it was built with
     AVX512_BF16: without it the portable loop is no faster than inductor's fused reduction."""
-    if not build("mt_bf16", _SOURCE, "bf16 GEMV"):
+    if not build("mt_bf16", _SOURCE, "bf16 GEMV", fakes={"mt_bf16::gemv": _gemv_shape}):
         return False
-    torch.library.register_fake("mt_bf16::gemv")(_gemv_shape)
     return bool(torch.ops.mt_bf16.vectorized())
 
 

@@ -210,10 +210,7 @@ def int4_gemv_reference(x: torch.Tensor, packed: torch.Tensor, scale_low: torch.
 def kernel_available() -> bool:
     """Build and load the C++ kernel (first call in a process); False where it cannot be built or
     MT_NATIVE_KERNELS=0 asks for the PyTorch reference."""
-    if not build("mt_gemv", _SOURCE, "int4 GEMV"):
-        return False
-    torch.library.register_fake("mt_gemv::int4")(_gemv_shape)
-    return True
+    return build("mt_gemv", _SOURCE, "int4 GEMV", fakes={"mt_gemv::int4": _gemv_shape})
 
 
 def _gemv_shape(x, weight, scale_low, group_size):
