@@ -49,18 +49,26 @@ def edit_files(path, hf_model, *, config=None, state=None):
         save_file(tensors, str(path / "model.safetensors"))
 
 
-def assert_same_weights(model, reference) -> None:
-    """Equal within fp32 tolerance, leaving out the key bias: softmax ignores a shift shared by a whole row
-    of scores, so its true gradient is exactly zero and it receives only rounding noise, which Adam
-    (dividing by sqrt(v)) turns into lr-sized steps that depend on the summation order."""
+def comparable_weights(model, reference):
+    """(name, model's tensor, reference's tensor) for every weight, leaving out the key bias: softmax
+    ignores a shift shared by a whole row of scores, so its true gradient is exactly zero and it receives
+    only rounding noise, which Adam (dividing by sqrt(v)) turns into lr-sized steps that depend on the
+    summation order."""
     cfg = reference.config
     q_rows, k_rows = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+    got = model.state_dict()
     for name, tensor in reference.state_dict().items():
-        other = model.state_dict()[name]
+        other = got[name]
         if name.endswith("W_qkv.bias"):
             keep = torch.ones(len(tensor), dtype=torch.bool)
             keep[q_rows : q_rows + k_rows] = False
             tensor, other = tensor[keep], other[keep]
+        yield name, other, tensor
+
+
+def assert_same_weights(model, reference) -> None:
+    """Equal within fp32 tolerance, the key bias left out (comparable_weights says why)."""
+    for name, other, tensor in comparable_weights(model, reference):
         torch.testing.assert_close(other, tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 

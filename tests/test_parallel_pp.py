@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from support import save_char_checkpoint, write_word_corpus
+from support import comparable_weights, save_char_checkpoint, write_word_corpus
 
 from mini_transformer import TransformerConfig, TransformerLM, generate
 from mini_transformer.cli import main
@@ -122,18 +122,9 @@ def one_process(corpus, tmp_path_factory):
 def max_weight_gap(path, reference) -> float:
     """Largest |difference| over all weights, leaving out the key bias: softmax ignores a shift shared by a
     row of scores, so its true gradient is 0 and it gets only rounding noise, which Adam turns into
-    lr-sized steps that depend on the order of summation (see support.assert_same_weights)."""
+    lr-sized steps that depend on the order of summation (see support.comparable_weights)."""
     got, want = TransformerLM.from_pretrained(path), TransformerLM.from_pretrained(reference)
-    cfg, gap = want.config, 0.0
-    q_rows, k_rows = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
-    for name, tensor in want.state_dict().items():
-        other = got.state_dict()[name]
-        if name.endswith("W_qkv.bias"):
-            keep = torch.ones(len(tensor), dtype=torch.bool)
-            keep[q_rows:q_rows + k_rows] = False
-            tensor, other = tensor[keep], other[keep]
-        gap = max(gap, (other - tensor).abs().max().item())
-    return gap
+    return max((other - tensor).abs().max().item() for _, other, tensor in comparable_weights(got, want))
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
