@@ -23,7 +23,7 @@ from mini_transformer.inference.static_cache import (
     _one_row_mm,
     compiled_decode_step,
 )
-from mini_transformer.model import bf16_gemv
+from mini_transformer.model import float_gemv
 
 VOCAB = 40
 
@@ -201,11 +201,11 @@ def test_compiled_padding_does_not_change_a_row(compiled_setup):
 def test_one_row_matmuls_become_a_reduction_with_aten_s_numbers(k, n, rows, dtype):
     """The CPU decode backend's decompositions: one row -> multiply + sum, equal to float64 addmm / mm
     within the rounding of the dtype's one final result (16-bit inputs are summed in fp32, rounded once);
-    more rows -> NotImplemented (aten's kernel), except bf16 where the C++ GEMV (bf16_gemv.py) built:
-    up to 8 rows go to it, with the same bound."""
+    more rows -> NotImplemented (aten's kernel), except fp32/bf16/fp16 where the C++ GEMV (float_gemv.py)
+    built: up to 8 rows go to it, with the same bound."""
     x, w, b = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype), torch.randn(n, dtype=dtype)
     got_addmm, got_mm = _one_row_addmm(b, x, w.t()), _one_row_mm(x, w.t())
-    if rows != 1 and not (dtype == torch.bfloat16 and bf16_gemv.kernel_available()):
+    if rows != 1 and not float_gemv.kernel_available(dtype):
         assert got_addmm is NotImplemented and got_mm is NotImplemented
         return
     want = x.double() @ w.double().t()  # (rows, N)
@@ -268,9 +268,10 @@ def test_compiled_bf16_decode_runs_reductions_and_matches_float64():
             torch.testing.assert_close(logits.double(), want, rtol=0.05, atol=0.05 * float(want.abs().max()))
 
 
-def test_compiled_batch_of_one_runs_its_matmuls_as_reductions(compiled_setup):
+def test_compiled_batch_of_one_runs_no_aten_matmul_or_flash_attention(compiled_setup):
     """Batch 1 (the bandwidth-bound case): the compiled step's C++ has no aten matmul or flash-attention
-    call left (each is inductor's fused multiply-and-sum), and its 200 greedy tokens equal eager's."""
+    call left - each matmul is the C++ GEMV (float_gemv.py) and the attention the C++ one-query kernel
+    where they build, else inductor's fused multiply-and-sum - and its 200 greedy tokens equal eager's."""
     from torch._inductor.utils import run_and_get_code
 
     model = compiled_setup
@@ -280,17 +281,22 @@ def test_compiled_batch_of_one_runs_its_matmuls_as_reductions(compiled_setup):
     calls = ("extern_kernels.addmm(", "extern_kernels.mm(", "_scaled_dot_product_flash_attention_for_cpu.default(")
     for aten_kernel in calls:  # calls, not the "Original ATen" comments that name the ops they replace
         assert not any(aten_kernel in c for c in code), aten_kernel
-    assert not any("mt_one_query" in c for c in code)  # fp32: the attention stays inside inductor's fused step
+    gemv = float_gemv.kernel_available(torch.float32)
+    assert any("mt_float.gemv" in c for c in code) == gemv
+    # fp32 attention: the C++ kernel only beside the GEMV op (without it, one fused inductor step)
+    assert any("mt_one_query" in c for c in code) == (gemv and one_query_cpu.kernel_available())
     assert torch.equal(got, generate(model, idx, N_NEW))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_one_query_kernel_equals_the_decomposition(dtype, monkeypatch):
-    """bf16/fp16 one-query attention goes to the C++ kernel (where it builds; fp32 stays in inductor's fused
-    step): the decomposition it replaces (its reference) gives the same output within one rounding and
-    logsumexp, with the static cache's mask (a written prefix, bool or sdpa's additive form, batch 1 or B)."""
+    """One-query attention goes to the C++ kernel (where it builds; fp32 only beside the C++ GEMV): the
+    decomposition it replaces (its reference) gives the same output within one rounding and logsumexp,
+    with the static cache's mask (a written prefix, bool or sdpa's additive form, batch 1 or B)."""
     if not one_query_cpu.kernel_available():
         pytest.skip("the C++ kernel cannot be built here")
+    if dtype == torch.float32 and not float_gemv.kernel_available(dtype):
+        pytest.skip("fp32 attention stays in inductor's fused step where the fp32 GEMV is not built")
     torch.manual_seed(0)
     q, k, v = (torch.randn(shape).to(dtype) for shape in ((2, 6, 1, 24), (2, 2, 50, 24), (2, 2, 50, 24)))
     keep = torch.arange(50) < torch.tensor([17, 50]).reshape(2, 1, 1, 1)  # (2, 1, 1, 50)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from ..attention import one_query_cpu
-from ..model import bf16_gemv
+from ..model import float_gemv
 from ..model.cache import Attend
 from ..model.transformer import TransformerLM
 from .kv_cache import SlabCache
@@ -164,13 +164,14 @@ FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def _one_row_addmm(bias, mat1, mat2, beta=1, alpha=1):
-    """addmm of ONE row (1, K) @ (K, N) as multiply + sum, so inductor writes the matrix-vector product
-    itself; anything else (more rows, alpha/beta, other dtypes) keeps aten's kernel (NotImplemented).
-    16-bit weights are widened to fp32 in registers as they are read and the K products summed in fp32
-    (a bf16 sum of 768 terms would keep only ~3 significant digits); only the (1, N) result is rounded.
-    bf16 with up to 8 rows on a CPU with AVX512_BF16 goes to model/bf16_gemv.py's kernel instead (same sums)."""
-    if beta == alpha == 1 and bias.dim() == 1 and bias.dtype == mat1.dtype and bf16_gemv.takes(mat1, mat2):
-        return torch.ops.mt_bf16.gemv(mat1, mat2.t(), bias)  # (M, K) x (N, K) weight -> (M, N)
+    """addmm of a few rows (M <= 8, a decode step's batch) @ an nn.Linear weight: model/float_gemv.py's C++
+    GEMV (fp32, bf16, fp16 on a CPU with AVX-512; the weight read front to back once, sums in fp32, rounded
+    once). Elsewhere ONE row (1, K) @ (K, N) as multiply + sum, so inductor writes the matrix-vector product
+    itself (16-bit weights widened to fp32 in registers as they are read: a bf16 sum of 768 terms would
+    keep only ~3 significant digits). Anything else (more rows, alpha/beta, other dtypes) keeps aten's
+    kernel (NotImplemented)."""
+    if beta == alpha == 1 and bias.dim() == 1 and bias.dtype == mat1.dtype and float_gemv.takes(mat1, mat2):
+        return torch.ops.mt_float.gemv(mat1, mat2.t(), bias)  # (M, K) x (N, K) weight -> (M, N)
     if mat1.shape[0] != 1 or beta != 1 or alpha != 1 or mat1.dtype not in FLOAT_DTYPES:
         return NotImplemented
     wide = torch.float64 if mat1.dtype == torch.float64 else torch.float32
@@ -178,8 +179,8 @@ def _one_row_addmm(bias, mat1, mat2, beta=1, alpha=1):
 
 
 def _one_row_mm(mat1, mat2):
-    if bf16_gemv.takes(mat1, mat2):
-        return torch.ops.mt_bf16.gemv(mat1, mat2.t())
+    if float_gemv.takes(mat1, mat2):
+        return torch.ops.mt_float.gemv(mat1, mat2.t())
     if mat1.shape[0] != 1 or mat1.dtype not in FLOAT_DTYPES:
         return NotImplemented
     wide = torch.float64 if mat1.dtype == torch.float64 else torch.float32
@@ -194,7 +195,7 @@ def _one_query_attention(query, key, value, dropout_p=0.0, is_causal=False, *, a
     """aten's CPU flash attention for ONE query row (B, H, 1, D), written as reductions inductor fuses:
     scores = sum_d q k, softmax over the keys, out = sum_t p v. Returns (out, logsumexp) as the op does.
     The flash kernel tiles for many queries; with one it streams K and V at a fraction of the bandwidth.
-    bf16/fp16 on the CPU go to attention/one_query_cpu.py's C++ kernel where it builds (the online
+    On the CPU attention/one_query_cpu.py's C++ kernel takes it where it builds (`_one_query_kernel_takes`: the online
     softmax of the paged decode kernel, and it skips the masked, not yet written slots of the static slab,
     which these reductions read all of: 89 -> 44 us per layer, bf16, docs/08); this decomposition is its reference."""
     B, H, L, D = query.shape
@@ -220,20 +221,19 @@ def _one_query_attention(query, key, value, dropout_p=0.0, is_causal=False, *, a
     return out.reshape(B, H, 1, D).to(dtype), lse
 
 
-_ONE_QUERY_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-
-
 def _one_query_kernel_takes(query, key, value, attn_mask) -> bool:
-    """Whether attention/one_query_cpu.py's C++ kernel computes this call: CPU, bf16/fp16, a mask shared by
-    the heads, and the kernel built. fp32 keeps the decomposition above (float64 too: it is the reference):
-    with fp32 activations inductor fuses the whole step, attention included, into one C++ function, and an
-    extern op would split it at every layer; measured on the 124.7M Llama, 255 steps, the kernel and the
-    decomposition taking turns: fp32 0.95-0.99x with the kernel, bf16 1.02-1.26x (its GEMV op splits the
-    graph anyway)."""
+    """Whether attention/one_query_cpu.py's C++ kernel computes this call: CPU, fp32/bf16/fp16, a mask shared
+    by the heads, and the kernel built; fp32 only where its matmuls go to the C++ GEMV too (float64 never:
+    it is the reference). Why that condition: with fp32 matmuls written as reductions inductor fuses the
+    whole step, attention included, into one C++ function, and an extern attention op would split it at
+    every layer (measured, 124.7M Llama, 255 steps, taking turns: 0.95-0.99x with the kernel); once the
+    GEMV op splits the graph anyway, the kernel pays (fp32 83.9 -> 88.5 tok/s; bf16 1.02-1.26x)."""
     B, Tk = query.shape[0], key.shape[2]
     shared_mask = attn_mask is None or (attn_mask.dim() == 4 and attn_mask.shape[0] in (1, B)
                                         and attn_mask.shape[1:] == (1, 1, Tk))
-    return (query.device.type == "cpu" and query.dtype in _ONE_QUERY_KERNEL_DTYPES and shared_mask
+    kernel_dtype = query.dtype in (torch.bfloat16, torch.float16) or (
+        query.dtype == torch.float32 and float_gemv.kernel_available(torch.float32))
+    return (query.device.type == "cpu" and kernel_dtype and shared_mask
             and key.dtype == value.dtype == query.dtype and one_query_cpu.kernel_available())
 
 

@@ -1,6 +1,7 @@
-"""model/bf16_gemv.py: the AVX512_BF16 GEMV and its PyTorch reference, each against float64 of the same bf16
-values (fp32 sums, one rounding to bf16); the kernel thread-count independent and in place of the compiled
-decode step's bf16 matmuls, whose greedy tokens equal eager bf16 generate()'s."""
+"""model/float_gemv.py: the C++ GEMV (fp32, bf16, fp16) and its PyTorch reference, each against float64 of
+the same values (fp32 sums, one rounding to the dtype); the kernel thread-count independent and in place of
+the compiled decode step's matmuls, whose bf16 greedy tokens equal eager bf16 generate()'s (fp32: see
+test_static_decode.py)."""
 
 import pytest
 import torch
@@ -9,79 +10,91 @@ from hypothesis import strategies as st
 
 from mini_transformer import TransformerConfig, TransformerLM, generate
 from mini_transformer.attention.one_query_cpu import kernel_available as one_query_kernel_available
-from mini_transformer.model.bf16_gemv import MAX_ROWS, bf16_gemv, bf16_gemv_reference, kernel_available
+from mini_transformer.model.float_gemv import DTYPES, MAX_ROWS, float_gemv, float_gemv_reference, kernel_available
 
-needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no AVX512_BF16 build of the kernel here")
+BUILT = [dtype for dtype in DTYPES if kernel_available(dtype)]
+needs_kernel = pytest.mark.skipif(not BUILT, reason="no AVX-512 build of the kernel here")
+HALF_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # the one final rounding
+TINY = {torch.float32: 0.0, torch.bfloat16: 0.0, torch.float16: 2.0 ** -25}  # half fp16's smallest subnormal
 
 
-def bf16_inputs(M: int, N: int, K: int, bias: bool, seed: int):
+def inputs(M: int, N: int, K: int, bias: bool, seed: int, dtype: torch.dtype):
     g = torch.Generator().manual_seed(seed)
-    x, w = torch.randn(M, K, generator=g).bfloat16(), torch.randn(N, K, generator=g).bfloat16()
-    return x, w, torch.randn(N, generator=g).bfloat16() if bias else None
+    x, w = torch.randn(M, K, generator=g).to(dtype), torch.randn(N, K, generator=g).to(dtype)
+    return x, w, torch.randn(N, generator=g).to(dtype) if bias else None
 
 
-def assert_within_bf16_rounding(got: torch.Tensor, x, w, b) -> None:
-    """|got - exact| <= 2^-8 |exact| + 2 gamma S: `exact` the float64 product of the bf16 values, S = sum |x w|
-    (+ |b|), gamma = (K + 1) 2^-24 bounds an fp32 sum of K products and the bias (each product is exact in
-    fp32: 8-bit x 8-bit significands); 2^-8 is half an ulp of bf16, the one final rounding."""
+def assert_within_rounding(got: torch.Tensor, x, w, b) -> None:
+    """|got - exact| <= half an ulp of the dtype |exact| + 2 gamma S: `exact` the float64 product of the
+    values, S = sum |x w| (+ |b|), gamma = (K + 1) 2^-24 bounds an fp32 sum of K products and the bias
+    (16-bit products are exact in fp32; an fp32 fused multiply-add rounds once per term)."""
     exact = x.double() @ w.double().t()  # (M, N)
     size = x.double().abs() @ w.double().abs().t()
     if b is not None:
         exact, size = exact + b.double(), size + b.double().abs()
     gamma = (x.shape[1] + 1) * 2.0 ** -24
-    assert got.dtype == torch.bfloat16 and got.shape == exact.shape
-    assert bool(((got.double() - exact).abs() <= 2.0 ** -8 * exact.abs() + 2 * gamma * size).all())
+    assert got.dtype == x.dtype and got.shape == exact.shape
+    bound = HALF_ULP[x.dtype] * exact.abs() + 2 * gamma * size + TINY[x.dtype]
+    assert bool(((got.double() - exact).abs() <= bound).all())
 
 
 @settings(max_examples=25, deadline=None)
 @given(M=st.integers(1, MAX_ROWS), N=st.integers(1, 40), K=st.integers(1, 200), bias=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_reference_within_bf16_rounding_of_float64(M, N, K, bias, seed):
-    x, w, b = bf16_inputs(M, N, K, bias, seed)
-    assert_within_bf16_rounding(bf16_gemv_reference(x, w, b), x, w, b)
+       seed=st.integers(0, 2**16), dtype=st.sampled_from(DTYPES))
+def test_reference_within_rounding_of_float64(M, N, K, bias, seed, dtype):
+    x, w, b = inputs(M, N, K, bias, seed, dtype)
+    assert_within_rounding(float_gemv_reference(x, w, b), x, w, b)
 
 
 @needs_kernel
-@settings(max_examples=40, deadline=None)
-@given(M=st.integers(1, MAX_ROWS), N=st.integers(1, 40).map(lambda n: 2 * n - 1), K=st.integers(1, 200),
-       bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_kernel_within_bf16_rounding_of_float64(M, N, K, bias, seed):
-    """Odd N (8-row blocks and leftover rows), K of any size (full 32-wide chunks and a masked tail), 1-8
-    rows (pairs and a lone row); and at most one bf16 step from the reference (both sum in fp32, in
-    other orders, so a sum next to a rounding boundary may round the other way)."""
-    x, w, b = bf16_inputs(M, N, K, bias, seed)
-    got = torch.ops.mt_bf16.gemv(x, w, b)
-    assert_within_bf16_rounding(got, x, w, b)
-    want = bf16_gemv_reference(x, w, b).double()
-    ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp(min=2.0 ** -100))) - 7)  # bf16 spacing at |want|
-    assert bool(((got.double() - want).abs() <= ulp).all())
+@settings(max_examples=60, deadline=None)
+@given(M=st.integers(1, MAX_ROWS), N=st.integers(1, 100), K=st.integers(1, 300), bias=st.booleans(),
+       seed=st.integers(0, 2**16), dtype=st.sampled_from(BUILT or [torch.float32]))
+def test_kernel_within_rounding_of_float64(M, N, K, bias, seed, dtype):
+    """Any N (blocks of 64 rows and a partial one), K of any size (full steps of 4 registers, single
+    registers and a masked tail), 1-8 rows (groups of 4 and what is left); 16-bit results at most one
+    step of the dtype from the reference (both sum in fp32, in other orders, so a sum next to a rounding
+    boundary may round the other way)."""
+    x, w, b = inputs(M, N, K, bias, seed, dtype)
+    got = torch.ops.mt_float.gemv(x, w, b)
+    assert_within_rounding(got, x, w, b)
+    if dtype != torch.float32:
+        want = float_gemv_reference(x, w, b).double()
+        exponent = torch.floor(torch.log2(want.abs().clamp(min=torch.finfo(dtype).tiny)))
+        ulp = torch.finfo(dtype).eps * 2.0 ** exponent  # the dtype's spacing at |want|
+        assert bool(((got.double() - want).abs() <= ulp).all())
 
 
 @needs_kernel
-def test_kernel_same_bits_on_any_thread_count_and_layout():
+@pytest.mark.parametrize("dtype", BUILT)
+def test_kernel_same_bits_on_any_thread_count_and_layout(dtype):
     """Rows of W are split over threads, each row summed by one thread: 1 and 2 threads give the same bits;
     a transposed (non-contiguous) x gives what its contiguous copy gives."""
-    x, w, b = bf16_inputs(3, 1001, 300, True, 0)
+    x, w, b = inputs(6, 1001, 300, True, 0, dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = torch.ops.mt_bf16.gemv(x, w, b)
+        one = torch.ops.mt_float.gemv(x, w, b)
         torch.set_num_threads(2)
-        two = torch.ops.mt_bf16.gemv(x, w, b)
+        two = torch.ops.mt_float.gemv(x, w, b)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
-    assert torch.equal(torch.ops.mt_bf16.gemv(x.t().contiguous().t(), w, b), one)
-    assert torch.equal(bf16_gemv(x, w, b), one)
+    assert torch.equal(torch.ops.mt_float.gemv(x.t().contiguous().t(), w, b), one)
+    assert torch.equal(float_gemv(x, w, b), one)
 
 
 @needs_kernel
 def test_kernel_refuses_other_dtypes_and_shapes():
-    x, w, _ = bf16_inputs(1, 4, 8, False, 0)
-    with pytest.raises(RuntimeError, match="bf16"):
-        torch.ops.mt_bf16.gemv(x.float(), w, None)
+    x, w, _ = inputs(1, 4, 8, False, 0, torch.float32)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        torch.ops.mt_float.gemv(x.bfloat16(), w, None)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        torch.ops.mt_float.gemv(x.double(), w.double(), None)
     with pytest.raises(RuntimeError, match="weight"):
-        torch.ops.mt_bf16.gemv(x, w[:, :4], None)
+        torch.ops.mt_float.gemv(x, w[:, :4], None)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.mt_float.gemv(x, w, torch.zeros(3))
 
 
 def bf16_llama(bias: bool) -> TransformerLM:
@@ -101,7 +114,7 @@ def bf16_llama(bias: bool) -> TransformerLM:
 TOLERANCE = 0.1
 
 
-@needs_kernel
+@pytest.mark.skipif(torch.bfloat16 not in BUILT, reason="no AVX512_BF16 build of the kernel here")
 @pytest.mark.parametrize("batch, bias", [(1, False), (3, True)])
 def test_compiled_bf16_decode_runs_the_kernel_close_to_eager(batch, bias):
     """generate(compile=True) on a bf16 model: every matmul of the step is the kernel (no aten mm/addmm
@@ -116,7 +129,7 @@ def test_compiled_bf16_decode_runs_the_kernel_close_to_eager(batch, bias):
     idx = torch.randint(0, 50, (batch, 5), generator=torch.Generator().manual_seed(1))
     got, code = run_and_get_code(generate, model, idx, n, compile=True)
     assert code, "the bf16 step was not compiled here"
-    assert any("mt_bf16.gemv" in c for c in code)
+    assert any("mt_float.gemv" in c for c in code)
     if one_query_kernel_available():  # bf16 attention: the C++ one-query kernel, once per layer
         assert sum(c.count("torch.ops.mt_one_query.attend.default(") for c in code) == model.config.n_layer
     assert not any(call in c for c in code for call in ("extern_kernels.addmm(", "extern_kernels.mm("))

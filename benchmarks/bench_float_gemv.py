@@ -1,19 +1,20 @@
-"""bf16 decode on the CPU: the AVX512_BF16 GEMV (model/bf16_gemv.py) alone, and bf16 compiled decode
-against fp32 compiled decode on the 124.7M Llama of issue 28 (vs_llama_cpp.py's layout, random weights).
+"""Float decode on the CPU: the C++ GEMV (model/float_gemv.py) alone, and compiled decode in fp32 and bf16
+through it, on the 124.7M Llama of issue 28 (vs_llama_cpp.py's layout, random weights).
 
-  gemv    every weight matrix of the model (60 linears + the head: 200 MB in bf16), one row x at a time:
-          the kernel, eager bf16 F.linear (oneDNN), the same with the kernel off (compiled reduction,
-          inductor) and fp32 F.linear; GB/s = weight bytes / time (the read roof is measured beside it)
+  gemv    every weight matrix of the model (60 linears + the head: 400 MB fp32, 200 MB bf16/fp16), one row x
+          at a time: the kernel in fp32, bf16 and fp16, against what the compiled step would run without it
+          (inductor's fused multiply-and-sum reduction) and eager F.linear (MKL fp32, oneDNN bf16);
+          GB/s = weight bytes / time (the read roof is measured beside it)
   decode  generate(compile=True), 64-token prompt, --new-tokens greedy steps (timed from the first sampled
-          token to the last, as vs_llama_cpp.py): fp32, bf16 through the kernel, and bf16 with the kernel off
-          (MT_NATIVE_KERNELS=0: inductor's fused reduction), in two worker processes taking turns A B C A B C;
-          how many greedy tokens of compiled bf16 equal eager bf16's before the first difference (a near
-          tie in bf16 flips it: see tests/test_bf16_gemv.py)
+          token to the last, as vs_llama_cpp.py): fp32 and bf16 through the kernels, and both with the C++
+          kernels off (MT_NATIVE_KERNELS=0: inductor's fused reductions), in two worker processes taking
+          turns A B C D A B C D; how many greedy tokens equal eager's (fp32 all of them; a near tie in bf16
+          flips one: see tests/test_float_gemv.py)
   ppl     a small char model trained here, held-out perplexity scored token by token through the compiled
           decode step: fp32, bf16 (through the kernel), and bf16 eager forwards
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_bf16_gemv.py --threads 1
-    python benchmarks/bench_bf16_gemv.py --threads 1 --parts decode --profile   # where a bf16 step goes
+    OMP_NUM_THREADS=1 python benchmarks/bench_float_gemv.py --threads 1
+    python benchmarks/bench_float_gemv.py --threads 1 --parts decode --profile   # where a step goes
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ from _common import add_common_args, apply_common_args, table, time_interleaved
 from decode_roofline import measure_bandwidth
 
 from mini_transformer import TransformerConfig, TransformerLM, generate
-from mini_transformer.model.bf16_gemv import bf16_gemv, kernel_available
+from mini_transformer.model.float_gemv import DTYPES, float_gemv, kernel_available
 
 LLAMA = dict(vocab_size=32000, d_model=768, n_heads=12, n_kv_heads=4, n_layer=12, d_ff=2048, max_seq_len=1024,
              pos_emb="rope", norm="rmsnorm", ffn="swiglu", bias=False, tie_weights=False, attn_backend="sdpa")
+NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def load() -> str:
@@ -51,31 +53,35 @@ def llama() -> TransformerLM:
 
 
 def run_gemv(model: TransformerLM, repeats: int) -> None:
-    weights = [m.weight.detach() for m in model.modules() if isinstance(m, nn.Linear)]
-    bf16 = [w.bfloat16() for w in weights]
-    nbytes = sum(w.nbytes for w in bf16)
-    xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}  # one activation row per input width
+    fp32 = [m.weight.detach() for m in model.modules() if isinstance(m, nn.Linear)]
+    weights = {dtype: [w.to(dtype) for w in fp32] for dtype in DTYPES}
+    xs = {dtype: {w.shape[1]: torch.randn(1, w.shape[1]).to(dtype) for w in fp32} for dtype in DTYPES}
 
-    def kernel():
-        for w in bf16:
-            bf16_gemv(xs16[w.shape[1]], w)
+    def each(fn, dtype):
+        return lambda: [fn(xs[dtype][w.shape[1]], w) for w in weights[dtype]]
 
-    def compiled_sum(x, w):  # what the compiled step did for bf16 before the kernel: widen, multiply, sum
-        return (x[:, :, None].float() * w.t()[None].float()).sum(dim=1).bfloat16()
+    def compiled_sum(x, w):  # what the compiled step runs without the kernel: widen, multiply, sum, round
+        return (x[:, :, None].float() * w.t()[None].float()).sum(dim=1).to(x.dtype)
 
     reduction = torch.compile(compiled_sum, dynamic=False)
-    xs16 = {k: x.bfloat16() for k, x in xs.items()}
-    calls = {"kernel bf16": kernel,
-             "oneDNN bf16 F.linear": lambda: [F.linear(xs16[w.shape[1]], w) for w in bf16],
-             "inductor bf16 reduction": lambda: [reduction(xs16[w.shape[1]], w) for w in bf16],
-             "fp32 F.linear": lambda: [F.linear(xs[w.shape[1]], w) for w in weights]}
+    calls, kinds = {}, {}
+    for dtype in DTYPES:
+        name = NAMES[dtype]
+        if kernel_available(dtype):
+            calls[f"kernel {name}"], kinds[f"kernel {name}"] = each(float_gemv, dtype), dtype
+        calls[f"inductor {name} reduction"], kinds[f"inductor {name} reduction"] = each(reduction, dtype), dtype
+    for dtype, what in ((torch.float32, "MKL"), (torch.bfloat16, "oneDNN")):
+        key = f"F.linear {NAMES[dtype]} ({what})"
+        calls[key], kinds[key] = each(F.linear, dtype), dtype
     timings = time_interleaved(calls, repeats=repeats, warmup=2)
-    rows = [dict(method=name, ms=t.median * 1e3, gbs=(nbytes * (2 if "fp32" in name else 1)) / t.median / 1e9)
-            for name, t in timings.items()]
-    print(f"\nGEMV over the model's {len(bf16)} weight matrices ({nbytes / 1e6:.0f} MB bf16), 1 row, "
-          f"median of {repeats} alternating runs; {load()}")
-    print(table(rows, {"method": "method", "ms": "ms", "gbs": "GB/s"}, ratio=("ms", "kernel bf16"),
-                ratio_title="x kernel"))
+    rows = []
+    for name, t in timings.items():
+        nbytes = sum(w.nbytes for w in weights[kinds[name]])
+        kernel = timings.get(f"kernel {NAMES[kinds[name]]}")
+        rows.append(dict(method=name, ms=t.median * 1e3, gbs=nbytes / t.median / 1e9,
+                         vs=f"{kernel.median / t.median:.2f}x" if kernel else "-"))
+    print(f"\nGEMV over the model's {len(fp32)} weight matrices, 1 row, median of {repeats} alternating runs; {load()}")
+    print(table(rows, {"method": "method", "ms": "ms", "gbs": "GB/s", "vs": "x kernel of its dtype"}))
 
 
 def timed_generate(model, prompt, n, compile_: bool = True):
@@ -85,8 +91,8 @@ def timed_generate(model, prompt, n, compile_: bool = True):
 
 
 def worker(n: int) -> None:
-    """One process, one configuration (the kernel on, or MT_NATIVE_KERNELS=0): loads both models, compiles on
-    the first run of each, then times a run per request line ("fp32" / "bf16" / "eager-bf16")."""
+    """One process, one configuration (the kernels on, or MT_NATIVE_KERNELS=0): loads both models, compiles on
+    the first run of each, then times a run per request line ("fp32" / "bf16" / "eager-fp32" / ...)."""
     fp32 = llama()
     models = {"fp32": fp32, "bf16": copy.deepcopy(fp32).to(torch.bfloat16)}
     prompt = torch.randint(3, LLAMA["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(2))
@@ -113,13 +119,13 @@ class Worker:
 
 
 def run_decode(n: int, repeats: int, threads: int) -> None:
-    """fp32 compiled, bf16 compiled through the kernel, bf16 compiled through inductor's reduction (the kernel
-    off, in a second process): each compiled once, then timed in turns, A B C A B C."""
+    """fp32 and bf16 compiled through the C++ kernels, and both through inductor's reductions (the kernels
+    off, in a second process): each compiled once, then timed in turns, A B C D A B C D."""
     on, off = Worker(n, threads, kernel=True), Worker(n, threads, kernel=False)
-    runs = {"fp32 compiled": (on, "fp32"), "bf16 compiled, kernel": (on, "bf16"),
-            "bf16 compiled, inductor reduction": (off, "bf16")}
+    runs = {"fp32 compiled, kernels": (on, "fp32"), "fp32 compiled, inductor reduction": (off, "fp32"),
+            "bf16 compiled, kernels": (on, "bf16"), "bf16 compiled, inductor reduction": (off, "bf16")}
     tokens = {name: w.run(model)["tokens"] for name, (w, model) in runs.items()}  # warm-up + compile
-    eager = on.run("eager-bf16")["tokens"]
+    eager = {model: on.run(f"eager-{model}")["tokens"] for model in ("fp32", "bf16")}
     best = dict.fromkeys(runs, float("inf"))
     start_load = load()
     for _ in range(repeats):
@@ -128,25 +134,26 @@ def run_decode(n: int, repeats: int, threads: int) -> None:
     on.close()
     off.close()
 
-    def same(a):
-        return next((i for i, (x, y) in enumerate(zip(a, eager, strict=True)) if x != y), n)
-    rows = [dict(method=name, tok_s=(n - 1) / s, ms=1e3 * s / (n - 1), eager=same(tokens[name]) if "bf16" in name
-                 else "-") for name, s in best.items()]
+    def same(name):
+        pairs = zip(tokens[name], eager[runs[name][1]], strict=True)
+        return next((i for i, (x, y) in enumerate(pairs) if x != y), n)
+    rows = [dict(method=name, tok_s=(n - 1) / s, ms=1e3 * s / (n - 1), eager=same(name)) for name, s in best.items()]
     print(f"\ndecode, batch 1, prompt 64, {n - 1} timed steps, best of {repeats} alternating runs; "
           f"{start_load} at the start, {load()} at the end")
-    print(table(rows, {"method": "method", "tok_s": "tok/s", "ms": "ms/step", "eager": f"= eager bf16 tokens (of {n})"},
-                ratio=("tok_s", "fp32 compiled"), ratio_title="x fp32 compiled", higher_is_better=True))
+    print(table(rows, {"method": "method", "tok_s": "tok/s", "ms": "ms/step", "eager": f"= eager tokens (of {n})"},
+                ratio=("tok_s", "fp32 compiled, kernels"), ratio_title="x fp32 compiled", higher_is_better=True))
 
 
-def run_profile(bf16: TransformerLM, n: int) -> None:
+def run_profile(models: dict[str, TransformerLM], n: int) -> None:
     from torch.profiler import profile as torch_profile
 
     prompt = torch.randint(3, LLAMA["vocab_size"], (1, 64))
-    timed_generate(bf16, prompt, n)  # compile
-    with torch_profile() as prof:
-        timed_generate(bf16, prompt, n)
-    print(f"\nprofile of {n} bf16 compiled decode steps (and one prefill): ops by self CPU time; {load()}")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=50))
+    for name, model in models.items():
+        timed_generate(model, prompt, n)  # compile
+        with torch_profile() as prof:
+            timed_generate(model, prompt, n)
+        print(f"\nprofile of {n} {name} compiled decode steps (and one prefill): ops by self CPU time; {load()}")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=50))
 
 
 def run_perplexity(steps: int, data: str | None) -> None:
@@ -159,7 +166,7 @@ def run_perplexity(steps: int, data: str | None) -> None:
     from mini_transformer.training import TrainConfig, train
     from mini_transformer.training.data import load_text, split_tokens
 
-    root = tempfile.mkdtemp(prefix="bench-bf16-")
+    root = tempfile.mkdtemp(prefix="bench-float-gemv-")
     cfg = TrainConfig(data=data, max_steps=steps, batch_size=16, block_size=64, eval_interval=steps, eval_batches=2,
                       num_samples=0, device="cpu", out_dir=root, progress=False)
     layout = TransformerConfig(vocab_size=65, d_model=96, n_heads=4, n_kv_heads=2, n_layer=2, d_ff=256, max_seq_len=64,
@@ -210,7 +217,8 @@ def main(argv=None) -> None:
     apply_common_args(args)
     if args.worker:
         return worker(args.worker)
-    print(f"threads {args.threads}; kernel built with AVX512_BF16: {kernel_available()}; {load()}")
+    built = ", ".join(f"{NAMES[d]} {kernel_available(d)}" for d in DTYPES)
+    print(f"threads {args.threads}; the kernel's AVX-512 loop built for: {built}; {load()}")
     _, read = measure_bandwidth("cpu")
     print(f"read bandwidth (sum of 256 MB fp32): {read / 1e9:.1f} GB/s; {load()}")
     fp32 = llama()
@@ -220,7 +228,7 @@ def main(argv=None) -> None:
     if "decode" in args.parts:
         run_decode(args.new_tokens, args.repeats, args.threads)
     if args.profile:
-        run_profile(bf16, args.new_tokens)
+        run_profile({"fp32": fp32, "bf16": bf16}, args.new_tokens)
     if "ppl" in args.parts:
         run_perplexity(args.train_steps, args.data)
 
