@@ -63,6 +63,9 @@ def run_gemv(model: TransformerLM, repeats: int) -> None:
     def compiled_sum(x, w):  # what the compiled step runs without the kernel: widen, multiply, sum, round
         return (x[:, :, None].float() * w.t()[None].float()).sum(dim=1).to(x.dtype)
 
+    # 5 shapes x 3 dtypes = 15 graphs of one function: above dynamo's default limit of 8, past which it would
+    # run the rest eagerly (materialising the (1, K, N) product: ~100x slower)
+    torch._dynamo.config.recompile_limit = 32
     reduction = torch.compile(compiled_sum, dynamic=False)
     calls, kinds = {}, {}
     for dtype in DTYPES:
