@@ -54,28 +54,23 @@ _SOURCE = r"""
 #endif
 
 // One activation row, quantized per group: dx (G,) the group scales, xsum (G,) each group's float sum,
-// xq (K,) the int8 codes in the order the dot products read them. They read `unit` inputs at a time, made
-// of `halves` blocks, each packed as bytes of (even, odd) input pairs: so within a unit the codes go evens
-// of every block, then odds (unit 128 in 2 halves, the VNNI loop: E0 E1 O0 O1; unit 64 or 32 in 1: E O).
-static void quantize_row(const float* x, int64_t K, int64_t group, int64_t unit, int64_t halves,
-                         int8_t* xq, float* dx, float* xsum) {
+// xq (K,) the int8 codes in the order the dot products read them. The plain loop reads `unit` (64 or 32)
+// inputs at a time, packed as bytes of (even, odd) input pairs: so within a unit the codes go evens, then odds.
+static void quantize_row(const float* x, int64_t K, int64_t group, int64_t unit, int8_t* xq, float* dx,
+                         float* xsum) {
   for (int64_t g = 0; g < K / group; ++g) {
     float amax = 0.f, s = 0.f;
     for (int64_t k = g * group; k < (g + 1) * group; ++k) { amax = std::max(amax, std::fabs(x[k])); s += x[k]; }
     dx[g] = amax / 127.f;
     xsum[g] = s;
   }
-  const int64_t block = unit / halves;
-  for (int64_t u = 0; u < K; u += unit)
-    for (int64_t b = 0; b < halves; ++b) {
-      const float d = dx[(u + b * block) / group];  // a block lies inside one group
-      const float* xb = x + u + b * block;
-      int8_t* even = xq + u + b * block / 2;
-      for (int64_t j = 0; j < block / 2; ++j) {
-        even[j] = d == 0.f ? 0 : (int8_t)std::nearbyint(xb[2 * j] / d);
-        even[unit / 2 + j] = d == 0.f ? 0 : (int8_t)std::nearbyint(xb[2 * j + 1] / d);
-      }
+  for (int64_t u = 0; u < K; u += unit) {
+    const float d = dx[u / group];  // a unit lies inside one group
+    for (int64_t j = 0; j < unit / 2; ++j) {
+      xq[u + j] = d == 0.f ? 0 : (int8_t)std::nearbyint(x[u + 2 * j] / d);
+      xq[u + unit / 2 + j] = d == 0.f ? 0 : (int8_t)std::nearbyint(x[u + 2 * j + 1] / d);
     }
+  }
 }
 
 // Any group size: one weight row, plain loops (units of `chunk` inputs). sl (G, 2): each group's scale, low.
@@ -93,10 +88,55 @@ static float row_dot_scalar(const uint8_t* w, const float* sl, const int8_t* xq,
 }
 
 #ifdef MT_VNNI
+// quantize_row for the VNNI loop, whose unit is 128 inputs in 2 blocks of 64 (group 64 or 128k): the codes go
+// evens of block 0, evens of block 1, odds of block 0, odds of block 1. 16 values per instruction: the same
+// codes as the plain loop's (x / d rounded to nearest even, as std::nearbyint in the default rounding mode;
+// the evens and odds of each 32 inputs picked apart by one two-register permute each); each group's sum in
+// another order (lanes, then across). Called once per activation row per matmul, 61 times per decode step: the
+// scalar loop cost ~2 us per call there.
+static void quantize_row_vnni(const float* x, int64_t K, int64_t group, int8_t* xq, float* dx, float* xsum) {
+  for (int64_t g = 0; g < K / group; ++g) {
+    __m512 amax = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
+    for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+      const __m512 v = _mm512_loadu_ps(x + k);
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+      sum = _mm512_add_ps(sum, v);
+    }
+    dx[g] = _mm512_reduce_max_ps(amax) / 127.f;
+    xsum[g] = _mm512_reduce_add_ps(sum);
+  }
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t u = 0; u < K; u += 128)
+    for (int64_t b = 0; b < 2; ++b) {
+      const float d = dx[(u + 64 * b) / group];
+      const __m512 dv = _mm512_set1_ps(d);
+      int8_t* evens = xq + u + 32 * b;  // block b's evens; its odds 64 further
+      for (int64_t h = 0; h < 2; ++h) {  // 32 inputs -> 16 evens, 16 odds
+        const float* xh = x + u + 64 * b + 32 * h;
+        const __m512 lo = _mm512_loadu_ps(xh), hi = _mm512_loadu_ps(xh + 16);
+        __m512i e = _mm512_setzero_si512(), o = _mm512_setzero_si512();
+        if (d != 0.f) {
+          e = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_permutex2var_ps(lo, even, hi), dv));
+          o = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_permutex2var_ps(lo, odd, hi), dv));
+        }
+        _mm_storeu_si128((__m128i*)(evens + 16 * h), _mm512_cvtsepi32_epi8(e));
+        _mm_storeu_si128((__m128i*)(evens + 64 + 16 * h), _mm512_cvtsepi32_epi8(o));
+      }
+    }
+}
+
 static inline __m512i dot128(const uint8_t* w, const int8_t* xq, __m512i dot) {
   const __m512i nibble = _mm512_set1_epi8(15);
   const __m512i b = _mm512_loadu_si512((const void*)w);
-  const __m512i lo = _mm512_and_si512(b, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
+  const __m512i lo = _mm512_and_si512(b, nibble);
+#ifdef __GFNI__
+  // each byte shifted right by 4 in ONE instruction (an affine map over GF(2): output bit i = input bit i + 4),
+  // where a 16-bit shift plus a mask took two
+  const __m512i hi = _mm512_gf2p8affine_epi64_epi8(b, _mm512_set1_epi64(0x1020408000000000LL), 0);
+#else
+  const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
+#endif
   dot = _mm512_dpbusd_epi32(dot, lo, _mm512_loadu_si512((const void*)xq));
   return _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512((const void*)(xq + 64)));
 }
@@ -147,8 +187,14 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_lo
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * G), xsum(M * G), dxv(vnni ? M * K / 8 : 0), xsv(vnni ? M * K / 8 : 0);
   for (int64_t m = 0; m < M; ++m) {
-    quantize_row(x.data_ptr<float>() + m * K, K, group, vnni ? 128 : chunk, vnni ? 2 : 1, xq.data() + m * K,
-                 dx.data() + m * G, xsum.data() + m * G);
+#ifdef MT_VNNI
+    if (vnni)
+      quantize_row_vnni(x.data_ptr<float>() + m * K, K, group, xq.data() + m * K, dx.data() + m * G,
+                        xsum.data() + m * G);
+    else
+#endif
+      quantize_row(x.data_ptr<float>() + m * K, K, group, chunk, xq.data() + m * K, dx.data() + m * G,
+                   xsum.data() + m * G);
     for (int64_t k = 0; vnni && k < K; k += 64) {
       const int64_t g = m * G + k / group, half = (k / 64) % 2;  // 64 inputs: the first or second of their 128
       for (int64_t i = 0; i < 8; ++i) dxv[m * K / 8 + k / 8 + i] = dx[g];
