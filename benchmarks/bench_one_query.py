@@ -1,5 +1,5 @@
 """The compiled batch-1 decode step's attention on the CPU: the C++ one-query kernel (attention/one_query_cpu.py,
-mt_one_query::attend) against the decomposition inductor compiled before it (static_cache.py's
+mt_one_query::attend) against the decomposition inductor compiled before it (cpu_decode.py's
 _one_query_attention), on the 124.7M Llama of issue 28 (768 hidden, 12 layers, GQA 12/4, D 64).
 
   attn   one layer's attention alone, as the step calls it (sdpa_attention over a 384-slot static slab,
@@ -23,7 +23,7 @@ from _common import add_common_args, apply_common_args, table, time_interleaved
 
 from mini_transformer import TransformerConfig, TransformerLM
 from mini_transformer.attention.sdpa import sdpa_attention
-from mini_transformer.inference import static_cache
+from mini_transformer.inference import cpu_decode, static_cache
 from mini_transformer.inference.static_cache import StaticCache
 
 LLAMA = dict(vocab_size=32000, d_model=768, n_heads=12, n_kv_heads=4, n_layer=12, d_ff=2048, max_seq_len=1024,
@@ -37,13 +37,13 @@ def load() -> str:
 
 def decomposition_only():
     """While active, _one_query_attention keeps its decomposition (what main compiled before the kernel)."""
-    return mock.patch.object(static_cache, "_one_query_kernel_takes", lambda *args: False)
+    return mock.patch.object(cpu_decode, "_one_query_kernel_takes", lambda *args: False)
 
 
 def compile_step(fn, use_kernel: bool, *args):
     """fn compiled through the decode backend, with or without the kernel. Every call of the decomposition's
     runs under decomposition_only(), since dynamo may compile again on a later call (another grad mode)."""
-    compiled = torch.compile(fn, backend=static_cache._cpu_decode_backend, fullgraph=True, dynamic=False)
+    compiled = torch.compile(fn, backend=cpu_decode.cpu_decode_backend, fullgraph=True, dynamic=False)
 
     def call(*call_args):
         if use_kernel:

@@ -15,14 +15,9 @@ from support import padded_prompts, small_lm
 
 from mini_transformer import KVCache, TransformerConfig, TransformerLM, generate
 from mini_transformer.attention import one_query_cpu
-from mini_transformer.inference import static_cache
-from mini_transformer.inference.static_cache import (
-    StaticCache,
-    _one_query_attention,
-    _one_row_addmm,
-    _one_row_mm,
-    compiled_decode_step,
-)
+from mini_transformer.inference import cpu_decode
+from mini_transformer.inference.cpu_decode import _one_query_attention, _one_row_addmm, _one_row_mm
+from mini_transformer.inference.static_cache import StaticCache, compiled_decode_step
 from mini_transformer.model import float_gemv
 
 VOCAB = 40
@@ -309,7 +304,7 @@ def test_one_query_kernel_equals_the_decomposition(dtype, monkeypatch):
 
         monkeypatch.setattr(one_query_cpu, "one_query_kernel", counted)
         out, lse = _one_query_attention(q, k, v, attn_mask=mask, scale=0.3)
-        monkeypatch.setattr(static_cache, "_one_query_kernel_takes", lambda *a: False)
+        monkeypatch.setattr(cpu_decode, "_one_query_kernel_takes", lambda *a: False)
         want, want_lse = _one_query_attention(q, k, v, attn_mask=mask, scale=0.3)
         monkeypatch.undo()
         assert calls == [1] and out.dtype == want.dtype == dtype and lse.dtype == want_lse.dtype == torch.float32

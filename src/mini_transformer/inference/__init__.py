@@ -4,6 +4,7 @@
   kv_cache.py      KVCache: the contiguous cache of generate()
   generate.py      prefill + decode, left-padded batches, EOS, streaming
   static_cache.py  a fixed-shape cache and the decode step compiled once (docs 08)
+  cpu_decode.py    that step's CPU backend: matmuls and attention to C++ kernels or reductions
   speculative.py   speculative decoding: a draft model or prompt lookup, the exact acceptance rule
 """
 

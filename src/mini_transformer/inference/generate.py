@@ -51,7 +51,7 @@ class GraphStep:
     CUDA graphs, a graph that does not take the token as one input), it keeps dynamo, skipping guards."""
 
     def __init__(self, step: Callable, model: TransformerLM, token: torch.Tensor, cache):
-        from .static_cache import RECORDING
+        from .cpu_decode import RECORDING
 
         self.step, self.graph = step, None
         RECORDING.calls = []

@@ -22,15 +22,13 @@ the slots it writes, [0, T), exactly as KVCache does; only the single-token step
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
 
-from ..attention import one_query_cpu
-from ..model import float_gemv
 from ..model.cache import Attend
 from ..model.transformer import TransformerLM
+from .cpu_decode import cpu_decode_backend
 from .kv_cache import SlabCache
 
 
@@ -160,152 +158,13 @@ def static_length(needed: int, max_seq_len: int, multiple: int = 128) -> int:
     return min(max_seq_len, -(-needed // multiple) * multiple)
 
 
-FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
-def _one_row_addmm(bias, mat1, mat2, beta=1, alpha=1):
-    """addmm of a few rows (M <= 8, a decode step's batch) @ an nn.Linear weight: model/float_gemv.py's C++
-    GEMV (fp32, bf16, fp16 on a CPU with AVX-512; the weight read front to back once, sums in fp32, rounded
-    once). Elsewhere ONE row (1, K) @ (K, N) as multiply + sum, so inductor writes the matrix-vector product
-    itself (16-bit weights widened to fp32 in registers as they are read: a bf16 sum of 768 terms would
-    keep only ~3 significant digits). Anything else (more rows, alpha/beta, other dtypes) keeps aten's
-    kernel (NotImplemented)."""
-    if beta == alpha == 1 and bias.dim() == 1 and bias.dtype == mat1.dtype and float_gemv.takes(mat1, mat2):
-        return torch.ops.mt_float.gemv(mat1, mat2.t(), bias)  # (M, K) x (N, K) weight -> (M, N)
-    if mat1.shape[0] != 1 or beta != 1 or alpha != 1 or mat1.dtype not in FLOAT_DTYPES:
-        return NotImplemented
-    wide = torch.float64 if mat1.dtype == torch.float64 else torch.float32
-    return (_one_row_sum(mat1, mat2, wide) + bias.to(wide)).to(mat1.dtype)  # rounded once, as aten's addmm
-
-
-def _one_row_mm(mat1, mat2):
-    if float_gemv.takes(mat1, mat2):
-        return torch.ops.mt_float.gemv(mat1, mat2.t())
-    if mat1.shape[0] != 1 or mat1.dtype not in FLOAT_DTYPES:
-        return NotImplemented
-    wide = torch.float64 if mat1.dtype == torch.float64 else torch.float32
-    return _one_row_sum(mat1, mat2, wide).to(mat1.dtype)
-
-
-def _one_row_sum(mat1, mat2, wide: torch.dtype):
-    return (mat1[:, :, None].to(wide) * mat2[None].to(wide)).sum(dim=1)  # (1, K, N) -> (1, N), summed in `wide`
-
-
-def _one_query_attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-    """aten's CPU flash attention for ONE query row (B, H, 1, D), written as reductions inductor fuses:
-    scores = sum_d q k, softmax over the keys, out = sum_t p v. Returns (out, logsumexp) as the op does.
-    The flash kernel tiles for many queries; with one it streams K and V at a fraction of the bandwidth.
-    On the CPU attention/one_query_cpu.py's C++ kernel takes it where it builds (`_one_query_kernel_takes`: the online
-    softmax of the paged decode kernel, and it skips the masked, not yet written slots of the static slab,
-    which these reductions read all of: 89 -> 44 us per layer, bf16, docs/08); this decomposition is its reference."""
-    B, H, L, D = query.shape
-    if L != 1 or dropout_p != 0.0 or is_causal or query.dtype not in FLOAT_DTYPES:
-        return NotImplemented
-    scale = D ** -0.5 if scale is None else scale
-    if _one_query_kernel_takes(query, key, value, attn_mask):
-        return one_query_cpu.one_query_kernel(query, key, value, attn_mask, scale)
-    dtype = query.dtype
-    if dtype in (torch.bfloat16, torch.float16):  # scores, softmax and the sum over keys in fp32
-        query, key, value = query.float(), key.float(), value.float()
-        if attn_mask is not None and attn_mask.dtype != torch.bool:
-            attn_mask = attn_mask.float()
-    Hkv, Tk = key.shape[1], key.shape[2]
-    q = query.reshape(B, Hkv, H // Hkv, 1, D)  # (B, Hkv, G, 1, D): head h reads kv head h // G, as sdpa's GQA
-    scores = (q * key[:, :, None]).sum(dim=-1) * scale  # (B, Hkv, G, Tk)
-    scores = scores.reshape(B, H, 1, Tk)
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
-    lse = torch.logsumexp(scores, dim=-1)  # (B, H, 1)
-    p = torch.exp(scores - lse[..., None]).reshape(B, Hkv, H // Hkv, Tk, 1)  # (B, Hkv, G, Tk, 1)
-    out = (p * value[:, :, None]).sum(dim=-2)  # (B, Hkv, G, D)
-    return out.reshape(B, H, 1, D).to(dtype), lse
-
-
-def _one_query_kernel_takes(query, key, value, attn_mask) -> bool:
-    """Whether attention/one_query_cpu.py's C++ kernel computes this call: CPU, fp32/bf16/fp16, a mask shared
-    by the heads, and the kernel built; fp32 only where its matmuls go to the C++ GEMV too (float64 never:
-    it is the reference). Why that condition: with fp32 matmuls written as reductions inductor fuses the
-    whole step, attention included, into one C++ function, and an extern attention op would split it at
-    every layer (measured, 124.7M Llama, 255 steps, taking turns: 0.95-0.99x with the kernel); once the
-    GEMV op splits the graph anyway, the kernel pays (fp32 83.9 -> 88.5 tok/s; bf16 1.02-1.26x)."""
-    B, Tk = query.shape[0], key.shape[2]
-    shared_mask = attn_mask is None or (attn_mask.dim() == 4 and attn_mask.shape[0] in (1, B)
-                                        and attn_mask.shape[1:] == (1, 1, Tk))
-    kernel_dtype = query.dtype in (torch.bfloat16, torch.float16) or (
-        query.dtype == torch.float32 and float_gemv.kernel_available(torch.float32))
-    return (query.device.type == "cpu" and kernel_dtype and shared_mask
-            and key.dtype == value.dtype == query.dtype and one_query_cpu.kernel_available())
-
-
-def _cpu_decode_backend(gm, example_inputs):
-    """inductor, with one-row matmuls lowered to a fused multiply-and-sum (a GEMV inductor writes in C++).
-
-    Why: at batch 1 every linear layer is a matrix-vector product and reads its weight once. MKL's sgemm
-    called with one row reads the weights at about half the speed the core can stream them (measured:
-    the 24 weight matrices of the 6x384 model, 42.5 MB, 2.4 ms through `addmm` against 1.0 ms as an
-    inductor reduction, single thread); the vectorised reduction inductor generates streams each row of
-    W once at near the `sum()` bandwidth. Inductor's own table decomposes mm this way only on GPUs.
-    Caches across processes: inductor's FX-graph cache is ON. Its key hashes the graph inductor gets,
-    which is the graph AFTER our decompositions (one-row mm already a multiply-and-sum), the config
-    patches below and the name of the decomposition function, so a default-inductor graph of the same step
-    has another key. AOTAutograd's cache stays off: its key hashes the graph BEFORE decomposition, so it
-    could hand back a default-inductor artifact for our step (the reason both were off before).
-
-    With int8 weights (quantize.py) the graph also gets a low `realize_cpu_opcount_threshold`:
-    by default inductor inlines a reduction's producer (the LayerNorm before a linear) and recomputes
-    it for every weight element; with one byte per weight that recomputation, not memory, bounds the
-    loop (measured, GPT-2 small int8 step: 15.8 ms inlined, 6.6 ms with the input stored once). With
-    fp32 weights the inlined form is the faster one (6x384 step: 2.9 ms against 4.8 ms), and so it is for
-    int4's packed uint8 weights (measured 3.5x slower stored: its unpacking already dominates), so they keep it."""
-    from unittest import mock
-
-    from torch._functorch import config as functorch_config
-    from torch._inductor import compile_fx as compile_fx_module
-
-    options = {"fx_graph_cache": True}
-    if any(isinstance(t, torch.Tensor) and t.dtype == torch.int8 for t in example_inputs):
-        options["realize_cpu_opcount_threshold"] = 4  # int8 weights: store each linear's input once
-    # The table goes in as compile_fx's `select_decomp_table` for this call, not as `decompositions=`: a
-    # dict passed there becomes part of the FX-graph cache key, and inductor's default table holds objects
-    # that cannot be pickled for a key (DispatchKey), so every compile bypassed the cache (measured).
-    # A module-level function is pickled by name instead.
-    with functorch_config.patch(enable_autograd_cache=False), \
-            mock.patch.object(compile_fx_module, "select_decomp_table", decode_decompositions):
-        return _recordable(compile_fx_module.compile_fx(gm, example_inputs, config_patches=options))
-
-
-class _Recording(threading.local):
-    calls: list | None = None  # while a list: each call of a compiled graph appends (graph, inputs, outputs)
-
-
-RECORDING = _Recording()
-
-
-def _recordable(graph: Callable) -> Callable:
-    """The compiled graph, with a way to see the flat inputs dynamo hands it (generate.GraphStep)."""
-    def call(*inputs):
-        outputs = graph(*inputs)
-        if RECORDING.calls is not None:
-            RECORDING.calls.append((graph, inputs, outputs))
-        return outputs
-    return call
-
-
-def decode_decompositions() -> dict:
-    """inductor's decomposition table plus the three one-row rules above."""
-    from torch._inductor.decomposition import select_decomp_table
-
-    aten = torch.ops.aten
-    return {**select_decomp_table(), aten.addmm.default: _one_row_addmm, aten.mm.default: _one_row_mm,
-            aten._scaled_dot_product_flash_attention_for_cpu.default: _one_query_attention}
-
-
 def compiled_decode_step(device: torch.device | str) -> Callable:
     """`_decode_one` compiled with fullgraph=True (a graph break would be an error, not a slowdown).
 
     On CUDA mode="reduce-overhead" records the step as a CUDA graph and replays it: one launch per token
     instead of one per kernel. The CPU has no CUDA graphs; it gets inductor's fused C++ kernels with
-    one-row matmuls written as reductions (`_cpu_decode_backend`). The compiled function is made once
+    one-row matmuls and one-query attention sent to C++ kernels or written as reductions
+    (cpu_decode.py). The compiled function is made once
     per device type and shared: dynamo keeps one graph per set of shapes, so every model and cache of the
     same shapes reuses it."""
     kind = torch.device(device).type
@@ -313,7 +172,7 @@ def compiled_decode_step(device: torch.device | str) -> Callable:
         if kind == "cuda":
             _COMPILED[kind] = torch.compile(_decode_one, mode="reduce-overhead", fullgraph=True, dynamic=False)
         else:
-            _COMPILED[kind] = torch.compile(_decode_one, backend=_cpu_decode_backend, fullgraph=True, dynamic=False)
+            _COMPILED[kind] = torch.compile(_decode_one, backend=cpu_decode_backend, fullgraph=True, dynamic=False)
     return _COMPILED[kind]
 
 
