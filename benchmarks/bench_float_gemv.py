@@ -32,24 +32,18 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _common import add_common_args, apply_common_args, table, time_interleaved
+from _common import LLAMA_124M, add_common_args, apply_common_args, load_average, table, time_interleaved
 from decode_roofline import measure_bandwidth
 
 from mini_transformer import TransformerConfig, TransformerLM, generate
 from mini_transformer.model.float_gemv import DTYPES, float_gemv, kernel_available
 
-LLAMA = dict(vocab_size=32000, d_model=768, n_heads=12, n_kv_heads=4, n_layer=12, d_ff=2048, max_seq_len=1024,
-             pos_emb="rope", norm="rmsnorm", ffn="swiglu", bias=False, tie_weights=False, attn_backend="sdpa")
 NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def load() -> str:
-    return f"load {os.getloadavg()[0]:.2f}"
 
 
 def llama() -> TransformerLM:
     torch.manual_seed(0)
-    return TransformerLM(TransformerConfig(**LLAMA)).eval()
+    return TransformerLM(TransformerConfig(**LLAMA_124M)).eval()
 
 
 def run_gemv(model: TransformerLM, repeats: int) -> None:
@@ -83,7 +77,8 @@ def run_gemv(model: TransformerLM, repeats: int) -> None:
         kernel = timings.get(f"kernel {NAMES[kinds[name]]}")
         rows.append(dict(method=name, ms=t.median * 1e3, gbs=nbytes / t.median / 1e9,
                          vs=f"{kernel.median / t.median:.2f}x" if kernel else "-"))
-    print(f"\nGEMV over the model's {len(fp32)} weight matrices, 1 row, median of {repeats} alternating runs; {load()}")
+    print(f"\nGEMV over the model's {len(fp32)} weight matrices, 1 row, median of {repeats} alternating runs; "
+          f"{load_average()}")
     print(table(rows, {"method": "method", "ms": "ms", "gbs": "GB/s", "vs": "x kernel of its dtype"}))
 
 
@@ -98,7 +93,7 @@ def worker(n: int) -> None:
     the first run of each, then times a run per request line ("fp32" / "bf16" / "eager-fp32" / ...)."""
     fp32 = llama()
     models = {"fp32": fp32, "bf16": copy.deepcopy(fp32).to(torch.bfloat16)}
-    prompt = torch.randint(3, LLAMA["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(2))
+    prompt = torch.randint(3, LLAMA_124M["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(2))
     for line in sys.stdin:
         name = line.strip()
         seconds, tokens = timed_generate(models[name.removeprefix("eager-")], prompt, n, not name.startswith("eager"))
@@ -130,7 +125,7 @@ def run_decode(n: int, repeats: int, threads: int) -> None:
     tokens = {name: w.run(model)["tokens"] for name, (w, model) in runs.items()}  # warm-up + compile
     eager = {model: on.run(f"eager-{model}")["tokens"] for model in ("fp32", "bf16")}
     best = dict.fromkeys(runs, float("inf"))
-    start_load = load()
+    start_load = load_average()
     for _ in range(repeats):
         for name, (w, model) in runs.items():
             best[name] = min(best[name], w.run(model)["seconds"])
@@ -142,7 +137,7 @@ def run_decode(n: int, repeats: int, threads: int) -> None:
         return next((i for i, (x, y) in enumerate(pairs) if x != y), n)
     rows = [dict(method=name, tok_s=(n - 1) / s, ms=1e3 * s / (n - 1), eager=same(name)) for name, s in best.items()]
     print(f"\ndecode, batch 1, prompt 64, {n - 1} timed steps, best of {repeats} alternating runs; "
-          f"{start_load} at the start, {load()} at the end")
+          f"{start_load} at the start, {load_average()} at the end")
     print(table(rows, {"method": "method", "tok_s": "tok/s", "ms": "ms/step", "eager": f"= eager tokens (of {n})"},
                 ratio=("tok_s", "fp32 compiled, kernels"), ratio_title="x fp32 compiled", higher_is_better=True))
 
@@ -150,12 +145,13 @@ def run_decode(n: int, repeats: int, threads: int) -> None:
 def run_profile(models: dict[str, TransformerLM], n: int) -> None:
     from torch.profiler import profile as torch_profile
 
-    prompt = torch.randint(3, LLAMA["vocab_size"], (1, 64))
+    prompt = torch.randint(3, LLAMA_124M["vocab_size"], (1, 64))
     for name, model in models.items():
         timed_generate(model, prompt, n)  # compile
         with torch_profile() as prof:
             timed_generate(model, prompt, n)
-        print(f"\nprofile of {n} {name} compiled decode steps (and one prefill): ops by self CPU time; {load()}")
+        print(f"\nprofile of {n} {name} compiled decode steps (and one prefill): ops by self CPU time; "
+              f"{load_average()}")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=50))
 
 
@@ -200,7 +196,7 @@ def run_perplexity(steps: int, data: str | None) -> None:
     rows = {"fp32 compiled decode": decode_nll(fp32), "bf16 compiled decode (kernel)": decode_nll(bf16),
             "bf16 eager forward": eager}
     print(f"\nperplexity of a 2 x 96 char model trained {steps} steps here, 8 held-out windows, positions 8-63; "
-          f"{load()}")
+          f"{load_average()}")
     for name, nll in rows.items():
         ratio = math.exp(nll - rows["fp32 compiled decode"])
         print(f"  {name:>30}: {math.exp(nll):.4f}  ({ratio:.4f}x fp32)")
@@ -221,9 +217,9 @@ def main(argv=None) -> None:
     if args.worker:
         return worker(args.worker)
     built = ", ".join(f"{NAMES[d]} {kernel_available(d)}" for d in DTYPES)
-    print(f"threads {args.threads}; the kernel's AVX-512 loop built for: {built}; {load()}")
+    print(f"threads {args.threads}; the kernel's AVX-512 loop built for: {built}; {load_average()}")
     _, read = measure_bandwidth("cpu")
-    print(f"read bandwidth (sum of 256 MB fp32): {read / 1e9:.1f} GB/s; {load()}")
+    print(f"read bandwidth (sum of 256 MB fp32): {read / 1e9:.1f} GB/s; {load_average()}")
     fp32 = llama()
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
     if "gemv" in args.parts:

@@ -15,24 +15,17 @@ _one_query_attention), on the 124.7M Llama of issue 28 (768 hidden, 12 layers, G
 from __future__ import annotations
 
 import argparse
-import os
 from unittest import mock
 
 import torch
-from _common import add_common_args, apply_common_args, table, time_interleaved
+from _common import LLAMA_124M, add_common_args, apply_common_args, load_average, table, time_interleaved
 
 from mini_transformer import TransformerConfig, TransformerLM
 from mini_transformer.attention.sdpa import sdpa_attention
 from mini_transformer.inference import cpu_decode, static_cache
 from mini_transformer.inference.static_cache import StaticCache
 
-LLAMA = dict(vocab_size=32000, d_model=768, n_heads=12, n_kv_heads=4, n_layer=12, d_ff=2048, max_seq_len=1024,
-             pos_emb="rope", norm="rmsnorm", ffn="swiglu", bias=False, tie_weights=False, attn_backend="sdpa")
 SLAB = 384  # static_length(64 + 256)
-
-
-def load() -> str:
-    return f"load {os.getloadavg()[0]:.2f}"
 
 
 def decomposition_only():
@@ -65,7 +58,7 @@ def attend_decomposition(q, k, v, visible):
 
 
 def run_attention(dtype: torch.dtype, calls: int, repeats: int) -> list[dict]:
-    H, Hkv, D = LLAMA["n_heads"], LLAMA["n_kv_heads"], LLAMA["d_model"] // LLAMA["n_heads"]
+    H, Hkv, D = LLAMA_124M["n_heads"], LLAMA_124M["n_kv_heads"], LLAMA_124M["d_model"] // LLAMA_124M["n_heads"]
     q, k, v = torch.randn(1, H, 1, D, dtype=dtype), torch.randn(1, Hkv, SLAB, D, dtype=dtype), torch.randn(
         1, Hkv, SLAB, D, dtype=dtype)
     visible = torch.zeros(1, SLAB, dtype=torch.bool)
@@ -105,7 +98,7 @@ def run_steps(model: TransformerLM, new_tokens: int, repeats: int) -> tuple[list
     from torch.profiler import profile as torch_profile
 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    prompt = torch.randint(3, LLAMA["vocab_size"], (1, 64))
+    prompt = torch.randint(3, LLAMA_124M["vocab_size"], (1, 64))
     cache = StaticCache.for_model(model, 1, SLAB, dtype=next(model.parameters()).dtype)
     with torch.inference_mode():
         model(prompt, cache=cache, check=False)
@@ -121,7 +114,7 @@ def run_steps(model: TransformerLM, new_tokens: int, repeats: int) -> tuple[list
     n_layer = model.config.n_layer
     note = (f"{dtype} kernel step, torch.profiler: mt_one_query::attend {event.count} calls, "
             f"{event.self_cpu_time_total / event.count:.1f} us per layer, "
-            f"{event.self_cpu_time_total / event.count * n_layer / 1000:.3f} ms per step ({load()})")
+            f"{event.self_cpu_time_total / event.count * n_layer / 1000:.3f} ms per step ({load_average()})")
     return rows, note
 
 
@@ -138,14 +131,14 @@ def main() -> None:
     if "attn" in args.parts:
         dtypes = [getattr(torch, name) for name in args.dtypes]
         rows = [row for dtype in dtypes for row in run_attention(dtype, 200, 5 * args.repeats)]
-        print(f"\none layer's attention, 1 x 12/4 heads x D 64, {SLAB}-slot slab; {load()}")
+        print(f"\none layer's attention, 1 x 12/4 heads x D 64, {SLAB}-slot slab; {load_average()}")
         print(table(rows, dict(dtype="dtype", context="context (keys)", kernel="kernel us",
                                decomposition="decomposition us", speedup="kernel speed-up")))
     if "step" in args.parts:
-        model = TransformerLM(TransformerConfig(**LLAMA)).eval()
+        model = TransformerLM(TransformerConfig(**LLAMA_124M)).eval()
         for dtype in [getattr(torch, name) for name in args.dtypes]:
             rows, note = run_steps(model.to(dtype), args.new_tokens, args.repeats)
-            print(f"\n{dtype} greedy decode step, {args.new_tokens} tokens, 64-token prompt; {load()}")
+            print(f"\n{dtype} greedy decode step, {args.new_tokens} tokens, 64-token prompt; {load_average()}")
             print(table(rows, dict(how="how", dtype="dtype", ms="ms per step"), ratio=("ms", "decomposition")))
             print(note)
 

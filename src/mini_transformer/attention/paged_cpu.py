@@ -264,4 +264,3 @@ def paged_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """paged_decode_attention's arguments and result, computed by the C++ kernel (decode_kernel_available()
     must be True; q and the pools on the CPU, in one of KERNEL_DTYPES)."""
     return torch.ops.mt_paged.decode(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
-

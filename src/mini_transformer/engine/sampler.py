@@ -267,7 +267,7 @@ class Sampler:
         plan = self.plan(seqs)
         raw = logits.float()
         x = raw
-        if plan.sampled or plan.penalised or plan.bias is not None or plan.min_tokens:
+        if plan.penalised or plan.bias is not None or plan.min_tokens:  # the filters read plan.values
             x = penalise(raw, seqs, plan, self.counts)
         if plan.constrained:  # after the penalties, before argmax and the filters
             x = self.grammar.apply(raw.clone() if x is raw else x, seqs)  # raw stays raw for the logprobs
