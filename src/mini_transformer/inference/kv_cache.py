@@ -13,7 +13,7 @@ import torch
 
 from .._checks import positive_int
 from ..config import TransformerConfig
-from ..model.cache import Attend
+from ..model.cache import AttendFn
 
 if TYPE_CHECKING:
     from ..model.transformer import TransformerLM
@@ -120,7 +120,7 @@ class KVCache(SlabCache):
         self.next_position += keep.sum(dim=-1)
         return positions
 
-    def attend(self, layer, q, k, v, attend: Attend) -> torch.Tensor:
+    def attend(self, layer, q, k, v, attend: AttendFn) -> torch.Tensor:
         """Write this layer's new keys/values (B, Hkv, T, D) into their slots, then attend over every
         slot written so far (B, Hkv, length, D)."""
         k_all, v_all = self.k[layer, :, :, :self.length], self.v[layer, :, :, :self.length]  # views

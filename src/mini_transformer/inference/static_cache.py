@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..model.cache import Attend
+from ..model.cache import AttendFn
 from ..model.transformer import TransformerLM
 from .cpu_decode import cpu_decode_backend
 from .kv_cache import SlabCache
@@ -103,7 +103,7 @@ class StaticCache(SlabCache):
         self.next_position.copy_(keep.sum(dim=-1))
         return (keep.cumsum(dim=-1) - 1).clamp(min=0)  # (B, T)
 
-    def attend(self, layer: int, q, k, v, attend: Attend) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, attend: AttendFn) -> torch.Tensor:
         """Keep this layer's k, v (B, Hkv, T, D); return the attention output (B, H, T, D)."""
         if q.shape[2] > 1:  # the eager prefill: attend over the prompt's own slots only
             T = self.prefix_len

@@ -8,11 +8,14 @@ For each forward pass the model asks
 `NoCache` (here) is a forward pass over whole sequences (training, a full recompute): the keys are the
 new tokens themselves. The caches that keep keys live with their users: `KVCache` (inference/kv_cache.py)
 for generate(), `StaticCache` (inference/static_cache.py) for the compiled decode step, and the serving
-engine's `PagedBatch` (engine/model_runner.py). So one model runs all of them, and the model never
+engine's `PagedBatch` (engine/paged_batch.py). So one model runs all of them, and the model never
 imports the code that uses it.
 
-`attend(q, k, v, key_padding_mask)` is the model's attention (its backend, causal, queries at the end of
-the keys); key_padding_mask (B, Tk) bool, True = a real key, or None when no key is padding.
+`attend(q, k, v, key_padding_mask)` (an `AttendFn`) is the model's attention, the layer's `Attend` module
+(its backend, causal, queries at the end of the keys); key_padding_mask (B, Tk) bool, True = a real key,
+or None when no key is padding. KVCache and StaticCache call it; the engine's PagedBatch calls its paged
+attention object instead (which calls `attend` for prefill chunks). Either way a layer reaches its kernel
+in two calls: `cache.attend`, then the attention.
 """
 
 from __future__ import annotations
@@ -22,14 +25,15 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @runtime_checkable
 class Cache(Protocol):
     def begin(self, idx: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor: ...
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend) -> torch.Tensor: ...
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attend: AttendFn) -> torch.Tensor: ...
 
 
 class NoCache:
@@ -45,7 +49,7 @@ class NoCache:
         # a left-padded row starts at position 0 at its first real token
         return (self.key_padding_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, T)
 
-    def attend(self, layer, q, k, v, attend: Attend) -> torch.Tensor:
+    def attend(self, layer, q, k, v, attend: AttendFn) -> torch.Tensor:
         return attend(q, k, v, self.key_padding_mask)
 
 

@@ -57,7 +57,9 @@ class Attend(nn.Module):
     """softmax(q k^T / sqrt(D)) v through the configured backend, causal, queries at the end of the keys.
 
     No parameters: it exists so that hooks (and `mini-transformer trace`) can see q, k, v and the output
-    of every layer. The backend function is looked up once here; it trusts its inputs."""
+    of every layer. The backend function is looked up once here; it trusts its inputs. The layer hands it
+    to `cache.attend`: the contiguous caches call it, the engine's paged attention calls it for prefill
+    chunks (model/cache.py)."""
 
     def __init__(self, backend: str, dropout_p: float):
         super().__init__()
