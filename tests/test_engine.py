@@ -187,6 +187,33 @@ def test_triton_backend_walks_the_block_tables_in_its_kernel():
         LLMEngine(model, block_size=3, num_blocks=4)
 
 
+def test_the_cpu_engine_decodes_through_its_paged_attention_object_to_the_kernel(monkeypatch):
+    """The runner chooses its paged attention once: for a CPU fp32 pool the C++ kernel where it builds (a
+    float64 pool: the compiled reference; the triton backend: TritonPagedAttention); each decode step calls
+    that object's decode, which calls the kernel."""
+    from mini_transformer.attention import paged
+    from mini_transformer.attention.paged_cpu import decode_kernel_available
+
+    if not decode_kernel_available():
+        pytest.skip("the C++ kernel cannot be built here")
+    model = make_model("llama")
+    engine = LLMEngine(model, block_size=4, num_blocks=50)
+    assert type(engine.runner.attention) is paged.CpuPagedAttention
+    calls, kernel = [], paged.paged_decode_kernel
+
+    def counted(q, *args):
+        calls.append(q.shape[0])
+        return kernel(q, *args)
+
+    monkeypatch.setattr(paged, "paged_decode_kernel", counted)
+    prompts = make_prompts()[:2]
+    assert engine.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False) == [alone(model, p, 4)
+                                                                                        for p in prompts]
+    assert calls and max(calls) == 2  # both sequences' decode rows in one call
+    assert type(LLMEngine(make_model("llama").double(), block_size=4, num_blocks=50).runner.attention) \
+        is paged.CompiledPagedAttention
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "triton"])
 def test_each_step_builds_its_metadata_once_from_the_persistent_block_table(monkeypatch, backend):
     """One metadata build per step, every layer reads it; the block tables it gets are the rows of the

@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mini_transformer.attention import PagedAttentionMetadata, attention, get_backend, paged_attention, write_kv
-from mini_transformer.attention.paged import compiled_decode_attention, paged_decode_attention
+from mini_transformer.attention import PagedAttention, PagedAttentionMetadata, attention, get_backend, write_kv
+from mini_transformer.attention.paged import CompiledPagedAttention, paged_decode_attention
 
 
 def scatter_sequences(context_lens, query_lens, block_size, H, Hkv, D, dtype, seed=0):
@@ -47,13 +47,19 @@ def scatter_sequences(context_lens, query_lens, block_size, H, Hkv, D, dtype, se
     return tables, seqs, packed, k_cache, v_cache
 
 
-def run_paged(context_lens, query_lens, block_size, H, Hkv, D, dtype, attend=None, seed=0,
-              decode=paged_decode_attention):
+def paged(backend, q, k_cache, v_cache, meta, attend=None):
+    """What the engine's PagedBatch.attend does with the pool: decode for a decode-only step, else prefill."""
+    if meta.is_decode_only:
+        return backend.decode(q, k_cache, v_cache, meta)
+    return backend.prefill(q, k_cache, v_cache, meta, attend)
+
+
+def run_paged(context_lens, query_lens, block_size, H, Hkv, D, dtype, attend=None, seed=0, backend=None):
     tables, seqs, (q, k, v), k_cache, v_cache = scatter_sequences(
         context_lens, query_lens, block_size, H, Hkv, D, dtype, seed)
     meta = PagedAttentionMetadata.build(tables, context_lens, query_lens, block_size)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = paged_attention(q, k_cache, v_cache, meta, attend, decode)  # (N, H, D)
+    out = paged(backend or PagedAttention(), q, k_cache, v_cache, meta, attend)  # (N, H, D)
     return out, seqs, tables, k_cache
 
 
@@ -114,12 +120,13 @@ def test_paged_equals_contiguous_random_shapes(data, block_size, groups):
 
 
 def test_compiled_decode_equals_contiguous():
-    """The compiled decode path (the one the engine runs on the CPU): one compile serves every batch size
-    and table width (they are dynamic), decode-only steps and decode rows beside prefill rows alike."""
+    """The compiled decode path (the engine's on the CPU where the C++ kernel cannot be built): one compile
+    serves every batch size and table width (they are dynamic), decode-only steps and decode rows beside
+    prefill rows alike."""
     for context_lens, query_lens in ([7, 20, 3, 12], [1, 1, 1, 1]), ([40, 6, 1, 19, 2], [1, 6, 1, 5, 1]), \
             ([33, 9], [1, 1]):
         out, seqs, _, _ = run_paged(context_lens, query_lens, 4, 4, 2, 8, torch.float32,
-                                    decode=compiled_decode_attention)
+                                    backend=CompiledPagedAttention())
         assert (out - contiguous(seqs, torch.float32)).abs().max() <= 1e-6
 
 
@@ -239,14 +246,15 @@ def test_triton_kernel_on_cuda_equals_contiguous(dtype, tolerance):
     reference = contiguous([(a.to(dtype).double(), b.to(dtype).double(), c.to(dtype).double()) for a, b, c in seqs],
                            torch.float64)
     assert (out.double().cpu() - reference).abs().max() <= tolerance
-    gathered = paged_attention(q.to(**to), k_cache, v_cache, meta)
+    gathered = PagedAttention().prefill(q.to(**to), k_cache, v_cache, meta)
     assert (gathered.double().cpu() - reference).abs().max() <= tolerance
 
 
 FALLBACK = """
-from mini_transformer.attention.paged import compiled_decode_attention, decode_attention_for, paged_decode_attention
-assert decode_attention_for("cpu") is compiled_decode_attention
-assert decode_attention_for("cpu", enforce_eager=True) is paged_decode_attention
+import torch
+from mini_transformer.attention.paged import CompiledPagedAttention, PagedAttention, paged_attention_for
+assert type(paged_attention_for("cpu", torch.float32)) is CompiledPagedAttention
+assert type(paged_attention_for("cpu", torch.float32, enforce_eager=True)) is PagedAttention
 print("fallback")
 """
 

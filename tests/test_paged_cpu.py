@@ -9,12 +9,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_paged_attention import contiguous, scatter_sequences
+from test_paged_attention import contiguous, paged, scatter_sequences
 
 from mini_transformer.attention.paged import (
     PagedAttentionMetadata,
-    decode_attention_for,
-    paged_attention,
+    paged_attention_for,
     paged_decode_attention,
     write_kv,
 )
@@ -103,16 +102,16 @@ def test_kernel_on_strided_queries():
 
 
 def test_engine_decode_path_uses_the_kernel_in_mixed_steps():
-    """decode_attention_for("cpu") through paged_attention: decode-only steps and decode rows beside
-    prefill rows equal contiguous attention; float64 pools still go through the reference."""
-    decode = decode_attention_for("cpu")
+    """paged_attention_for("cpu", dtype): decode-only steps and decode rows beside prefill rows equal
+    contiguous attention; float64 pools still go through the reference."""
     for dtype, bound in ((torch.float32, 1e-6), (torch.float64, 1e-12)):
+        backend = paged_attention_for("cpu", dtype)
         for context_lens, query_lens in (([7, 20, 3, 12], [1, 1, 1, 1]), ([40, 6, 1, 19, 2], [1, 6, 1, 5, 1])):
             tables, seqs, (q, k, v), k_cache, v_cache = scatter_sequences(context_lens, query_lens, 4, 4, 2, 16,
                                                                          dtype)
             meta = PagedAttentionMetadata.build(tables, context_lens, query_lens, 4)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            out = paged_attention(q, k_cache, v_cache, meta, decode=decode)
+            out = paged(backend, q, k_cache, v_cache, meta)
             assert (out - contiguous(seqs, dtype)).abs().max() <= bound
 
 

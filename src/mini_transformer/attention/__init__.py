@@ -18,14 +18,14 @@ import torch
 from .._checks import choice, probability
 from .mask import build_mask, causal_mask
 from .naive import naive_attention
-from .paged import PagedAttentionMetadata, paged_attention, write_kv
+from .paged import PagedAttention, PagedAttentionMetadata, paged_attention_for, write_kv
 from .sdpa import sdpa_attention
 from .tiled import check_tiled, tiled_attention
 
 BACKENDS = ("naive", "sdpa", "tiled", "triton")
 
-__all__ = ["BACKENDS", "PagedAttentionMetadata", "attention", "build_mask", "causal_mask", "check_attention_inputs",
-           "check_backend", "get_backend", "paged_attention", "write_kv"]
+__all__ = ["BACKENDS", "PagedAttention", "PagedAttentionMetadata", "attention", "build_mask", "causal_mask",
+           "check_attention_inputs", "check_backend", "get_backend", "paged_attention_for", "write_kv"]
 
 
 def check_attention_inputs(q, k, v, key_padding_mask, dropout_p) -> None:

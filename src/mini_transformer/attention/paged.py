@@ -9,29 +9,38 @@ One step of the engine packs the new tokens of every scheduled sequence into one
 padding). Each sequence contributes `query_len` new tokens that are the END of its `context_len` keys
 (a decode step: 1 of L; a prefill chunk or a prefix-cache hit: a suffix; a whole prompt: all of them).
 
-The step's inputs are four tensors with flash-attn's varlen names, built once per step on the host and
-copied to the device in ONE copy (pinned memory, non_blocking on CUDA):
+The step's inputs are four tensors with vLLM's attention-metadata names, built once per step on the host
+and copied to the device in ONE copy (pinned memory, non_blocking on CUDA):
 
     slot_mapping (N,)       where each new token's K/V is written
     block_tables (S, Bmax)  each sequence's block ids (rows padded with block 0)
     context_lens (S,)       each sequence's keys after this step (cached + new)
     query_start_loc (S+1,)  sequence s owns packed tokens query_start_loc[s] .. query_start_loc[s+1]-1
 
-Two ways to attend, one per kind of row, both reading only those fields:
-  decode rows (1 query): `paged_decode_attention` is the readable reference (it gathers when run
-      eagerly). The engine runs, on the CPU, the C++ kernel of `paged_cpu.py`: per (sequence, kv head)
-      it walks the block table with an online softmax, no gathered copy, no padding (the FlashAttention
-      idea of stage 4 applied to pages); where it cannot be built, the reference through torch.compile
-      (inductor turns the `[block_tables]` indexing into loads inside the reductions).
-      `triton_paged.py` is the same on a GPU.
-  prefill rows (a chunk of queries): their keys gathered (one index_select for all of them), then each
-      sequence's chunk through the ordinary contiguous backend, unpadded (queries sit at the end of the
-      keys, so no new mask logic; a whole prompt takes the backend's causal fast path). This copy pays
-      where many queries share each key.
+(flash-attn's own API names differ: block_table, cache_seqlens, cu_seqlens_q/k, max_seqlen_q/k.)
+
+The engine attends through ONE object, chosen when its runner is built (`paged_attention_for`), with two
+methods that read only those fields:
+  decode(q, k_cache, v_cache, meta)           every row one query. `paged_decode_attention` is the readable
+      reference (run eagerly it gathers the blocks): `PagedAttention` runs it as it is,
+      `CompiledPagedAttention` through torch.compile (inductor turns the `[block_tables]` indexing into
+      loads inside the reductions), `CpuPagedAttention` runs the C++ kernel of `paged_cpu.py` instead: one
+      task per sequence walks its block table with an online softmax, no gathered copy, no padding (the
+      FlashAttention idea of stage 4 applied to pages). `triton_paged.py` is the same on a GPU.
+  prefill(q, k_cache, v_cache, meta, attend)  a step with prefill rows (a chunk of queries): their keys
+      gathered (one index_select for all of them), then each sequence's chunk through the model's own
+      contiguous attention, unpadded (queries sit at the end of the keys, so no new mask logic; a whole
+      prompt takes the backend's causal fast path). This copy pays where many queries share each key.
+      Decode rows in the same step go through `decode`.
 
     meta = PagedAttentionMetadata.build(block_tables, context_lens, query_lens, block_size, device)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)     # the new tokens' K/V into their slots
-    out = paged_attention(q, k_cache, v_cache, meta, decode=decode_attention_for("cpu"))  # (N, H, D)
+    paged = paged_attention_for("cpu", torch.float32)       # once, when the engine is built
+    if meta.is_decode_only:
+        out = paged.decode(q, k_cache, v_cache, meta)                # (N, H, D)
+    else:
+        out = paged.prefill(q, k_cache, v_cache, meta, attend)
+
 
 Shapes: q (N, H, D) packed; k, v (N, Hkv, D); k_cache, v_cache (num_slots, Hkv, D) for one layer.
 """
@@ -40,7 +49,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -48,8 +58,8 @@ import torch
 from .naive import naive_attention
 from .paged_cpu import KERNEL_DTYPES, decode_kernel_available, paged_decode_kernel
 
-__all__ = ["PagedAttentionMetadata", "decode_attention_for", "paged_attention", "paged_decode_attention", "write_kv"]
-
+__all__ = ["CompiledPagedAttention", "CpuPagedAttention", "PagedAttention", "PagedAttentionMetadata",
+           "paged_attention_for", "paged_decode_attention", "write_kv"]
 
 @dataclass
 class PagedAttentionMetadata:
@@ -65,7 +75,6 @@ class PagedAttentionMetadata:
     block_size: int
     query_lens: tuple[int, ...]
     context_lens_host: tuple[int, ...]
-    _cache: dict = field(default_factory=dict, repr=False)  # index tensors derived on first use
 
     @property
     def max_query_len(self) -> int:
@@ -111,11 +120,39 @@ class PagedAttentionMetadata:
         """The sequences with one query (decode rows) or with several (prefill rows), in order."""
         return [s for s, n in enumerate(self.query_lens) if (n == 1) == decode]
 
-    def index(self, name: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """An index tensor derived from the fields, made on first use in this step, reused by every layer."""
-        if name not in self._cache:
-            self._cache[name] = make()
-        return self._cache[name]
+    @cached_property
+    def decode_part(self) -> tuple[torch.Tensor, PagedAttentionMetadata] | None:
+        """The decode rows of a mixed step as a decode-only step of their own: their packed tokens (S_d,)
+        and their metadata; None without decode rows. Made on first use, reused by every layer."""
+        seqs = self.rows(decode=True)
+        if not seqs:
+            return None
+        rows = torch.tensor(seqs, device=self.slot_mapping.device)  # (S_d,)
+        tokens = self.query_start_loc[rows]  # (S_d,): a decode row's one token
+        query_start_loc = torch.arange(len(seqs) + 1, device=rows.device)
+        meta = PagedAttentionMetadata(self.slot_mapping[tokens], self.block_tables[rows], self.context_lens[rows],
+                                      query_start_loc, self.block_size, (1,) * len(seqs),
+                                      tuple(self.context_lens_host[s] for s in seqs))
+        return tokens, meta
+
+    @cached_property
+    def prefill_keys(self) -> tuple[torch.Tensor, list[tuple[int, int, int, int]]]:
+        """For the prefill rows' sequences: the pool slots of all their keys, one sequence after another
+        (sum of their context_lens,), derived on the device from the block tables; and, from the host's
+        lengths, per sequence (first packed query, queries, first of its keys in that list, keys)."""
+        seqs = self.rows(decode=False)
+        n_keys = np.array([self.context_lens_host[s] for s in seqs])
+        key_start = np.cumsum(n_keys) - n_keys
+        owner = np.repeat(np.asarray(seqs), n_keys)  # each key's sequence
+        position = np.arange(n_keys.sum()) - np.repeat(key_start, n_keys)  # each key's position in it
+        both = torch.from_numpy(np.stack([owner, position])).to(self.slot_mapping.device, non_blocking=True)
+        owner_t, position_t = both
+        bs = self.block_size
+        slots = self.block_tables[owner_t, position_t // bs] * bs + position_t % bs
+        query_start = np.concatenate([[0], np.cumsum(self.query_lens)])
+        spans = [(int(query_start[s]), self.query_lens[s], int(k0), int(n))
+                 for s, k0, n in zip(seqs, key_start, n_keys, strict=True)]
+        return slots, spans
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -151,97 +188,76 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.view(S, H, D).to(out_dtype)
 
 
-_compiled_decode = None
-
-
-def compiled_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size: int, scale: float):
-    """paged_decode_attention through torch.compile. The batch size and the table width change every step:
-    they are marked dynamic, so a handful of compiled kernels serve them all (heads, head size and block
-    size stay constants the compiler can unroll and vectorise). Measured with TORCH_LOGS=recompiles on a
-    mixed workload: 5 compiles (size 1 specialised, and the q stride / table offset of mixed prefill +
-    decode steps), all in the first steps; `serve` runs them in its warm-up (server/run.py)."""
-    global _compiled_decode
-    if _compiled_decode is None:
-        _compiled_decode = torch.compile(paged_decode_attention, dynamic=False)
-    for t, dims in ((q, (0,)), (block_tables, (0, 1)), (context_lens, (0,))):
-        for d in dims:
-            torch._dynamo.maybe_mark_dynamic(t, d)
-    return _compiled_decode(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
-
-
-def decode_attention_for(device: torch.device | str, enforce_eager: bool = False) -> Callable:
-    """The decode rows' attention the engine runs on `device`, chosen once. On the CPU: the C++ kernel
-    (paged_cpu.py) where it builds, for fp32/bf16/fp16 pools (float64 runs the reference); where it cannot
-    be built, the reference through torch.compile, or eagerly with `enforce_eager`. Elsewhere: the eager
-    reference (a GPU engine on the `triton` backend uses triton_paged.py instead)."""
-    if torch.device(device).type != "cpu":
-        return paged_decode_attention
-    fallback = paged_decode_attention if enforce_eager else compiled_decode_attention
-    if not decode_kernel_available():
-        return fallback
-
-    def kernel_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size: int, scale: float):
-        run = paged_decode_kernel if q.dtype in KERNEL_DTYPES else fallback
-        return run(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
-
-    return kernel_decode_attention
-
-
 def _naive(q, k, v, key_padding_mask):
     return naive_attention(q, k, v, causal=True, key_padding_mask=key_padding_mask, dropout_p=0.0,
                            scale=1.0 / math.sqrt(q.shape[-1]))
 
 
-def _prefill_keys(meta: PagedAttentionMetadata, seqs: list[int]):
-    """For the prefill rows' sequences: the pool slots of all their keys, one sequence after another
-    (sum of their context_lens,), derived on the device from the block tables; and, from the host's
-    lengths, per sequence (first packed query, queries, first of its keys in that list, keys)."""
-    n_keys = np.array([meta.context_lens_host[s] for s in seqs])
-    key_start = np.cumsum(n_keys) - n_keys
-    owner = np.repeat(np.asarray(seqs), n_keys)  # each key's sequence
-    position = np.arange(n_keys.sum()) - np.repeat(key_start, n_keys)  # each key's position in it
-    both = torch.from_numpy(np.stack([owner, position])).to(meta.slot_mapping.device, non_blocking=True)
-    owner_t, position_t = both
-    bs = meta.block_size
-    slots = meta.block_tables[owner_t, position_t // bs] * bs + position_t % bs
-    query_start = np.concatenate([[0], np.cumsum(meta.query_lens)])
-    spans = [(int(query_start[s]), meta.query_lens[s], int(k0), int(n))
-             for s, k0, n in zip(seqs, key_start, n_keys, strict=True)]
-    return slots, spans
+class PagedAttention:
+    """The engine's paged attention: `decode` runs the reference `paged_decode_attention` eagerly (off the
+    CPU, or with enforce_eager where the C++ kernel does not run); subclasses swap in another decode."""
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: PagedAttentionMetadata) -> torch.Tensor:
+        """One query per row of `meta`: q (S, H, D) -> (S, H, D)."""
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size,
+                                      1.0 / math.sqrt(q.shape[-1]))
+
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata,
+                attend: Callable | None = None) -> torch.Tensor:
+        """Causal attention of the packed queries q (N, H, D) of a step with prefill rows. Decode rows go
+        through `decode`; prefill rows have their keys gathered, then per sequence `attend(q, k, v, None)`
+        (model/cache.py's AttendFn; default: the naive reference; the model passes its own `Attend`, so the
+        configured backend runs).
+        Returns (N, H, D) in the order of q."""
+        attend = attend or _naive
+        N, H, D = q.shape
+        out = q.new_empty(N, H, D)
+        if meta.decode_part is not None:
+            tokens, decode_meta = meta.decode_part
+            out[tokens] = self.decode(q[tokens], k_cache, v_cache, decode_meta)
+        slots, spans = meta.prefill_keys
+        k, v = k_cache.index_select(0, slots), v_cache.index_select(0, slots)  # (sum of L, Hkv, D)
+        for first, n_new, first_key, n_keys in spans:  # each chunk alone, unpadded: with Tq == Tk the backend
+            keys = slice(first_key, first_key + n_keys)  # can take its causal fast path (SDPA's flash skips
+            q_s = q[first:first + n_new].transpose(0, 1)[None]  # the masked half); (1, H, n_new, D)
+            k_s, v_s = k[keys].transpose(0, 1)[None], v[keys].transpose(0, 1)[None]  # (1, Hkv, L, D)
+            out[first:first + n_new] = attend(q_s, k_s, v_s, None)[0].transpose(0, 1)
+        return out
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: PagedAttentionMetadata,
-    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
-    decode: Callable = paged_decode_attention,
-) -> torch.Tensor:
-    """Causal attention of the packed queries q (N, H, D) over each sequence's keys in the pool.
+class CompiledPagedAttention(PagedAttention):
+    """`decode`: the reference through torch.compile, where the C++ kernel cannot be built. The batch size
+    and the table width change every step: they are marked dynamic, so a handful of compiled kernels serve
+    them all (heads, head size and block size stay constants the compiler can unroll and vectorise); the
+    first steps compile them, and `serve` runs those steps in its warm-up (server/run.py)."""
 
-    Decode rows: `decode`, paged_decode_attention's signature (default: that reference itself; the engine
-    passes decode_attention_for(device): the C++ kernel on the CPU). Prefill rows: their keys
-    gathered, then per sequence `attend(q, k, v, key_padding_mask=None)`, a contiguous causal attention with
-    queries at the end of the keys (default: the naive reference; the model passes its own `Attend`, so the configured
-    backend runs). Returns (N, H, D) in the order of q."""
-    attend = attend or _naive
-    N, H, D = q.shape
-    scale = 1.0 / math.sqrt(D)
-    if meta.is_decode_only:  # the common step: every row is one token, already in sequence order
-        return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size, scale)
-    out = q.new_empty(N, H, D)
-    decode_seqs = meta.rows(decode=True)
-    if decode_seqs:
-        rows = meta.index("decode_rows", lambda: torch.tensor(decode_seqs, device=q.device))
-        tokens = meta.index("decode_tokens", lambda: meta.query_start_loc[rows])
-        out[tokens] = decode(q[tokens], k_cache, v_cache, meta.block_tables[rows], meta.context_lens[rows],
-                             meta.block_size, scale)
-    slots, spans = meta.index("prefill", lambda: _prefill_keys(meta, meta.rows(decode=False)))
-    k, v = k_cache.index_select(0, slots), v_cache.index_select(0, slots)  # (sum of L, Hkv, D)
-    for first, n_new, first_key, n_keys in spans:  # each chunk alone, unpadded: with Tq == Tk the backend
-        keys = slice(first_key, first_key + n_keys)  # can take its causal fast path (SDPA's flash skips
-        q_s = q[first:first + n_new].transpose(0, 1)[None]  # the masked half); (1, H, n_new, D)
-        k_s, v_s = k[keys].transpose(0, 1)[None], v[keys].transpose(0, 1)[None]  # (1, Hkv, L, D)
-        out[first:first + n_new] = attend(q_s, k_s, v_s, None)[0].transpose(0, 1)
-    return out
+    def __init__(self):
+        self.compiled_decode = torch.compile(paged_decode_attention, dynamic=False)  # compiles on first call
+
+    def decode(self, q, k_cache, v_cache, meta: PagedAttentionMetadata) -> torch.Tensor:
+        for t, dims in ((q, (0,)), (meta.block_tables, (0, 1)), (meta.context_lens, (0,))):
+            for d in dims:
+                torch._dynamo.maybe_mark_dynamic(t, d)
+        return self.compiled_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size,
+                                    1.0 / math.sqrt(q.shape[-1]))
+
+
+class CpuPagedAttention(PagedAttention):
+    """`decode`: the C++ kernel of paged_cpu.py (a pool in one of its KERNEL_DTYPES, the kernel built)."""
+
+    def decode(self, q, k_cache, v_cache, meta: PagedAttentionMetadata) -> torch.Tensor:
+        return paged_decode_kernel(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size,
+                                   1.0 / math.sqrt(q.shape[-1]))
+
+
+def paged_attention_for(device: torch.device | str, dtype: torch.dtype, enforce_eager: bool = False) -> PagedAttention:
+    """The paged attention for a pool of `dtype` on `device`, chosen once when the engine is built. On the
+    CPU: the C++ kernel for fp32/bf16/fp16 pools where it builds; otherwise (float64, no compiler) the
+    reference through torch.compile, or eagerly with `enforce_eager`. Elsewhere: the eager reference (a GPU
+    engine on the `triton` backend takes triton_paged.TritonPagedAttention instead)."""
+    if torch.device(device).type != "cpu":
+        return PagedAttention()
+    if dtype in KERNEL_DTYPES and decode_kernel_available():
+        return CpuPagedAttention()
+    return PagedAttention() if enforce_eager else CompiledPagedAttention()

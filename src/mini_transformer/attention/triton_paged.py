@@ -1,6 +1,6 @@
 """Paged attention as one Triton kernel that reads the block table itself (no gathered copy of K/V).
 
-One program per (sequence, query of that sequence, query head), reading the step's varlen fields
+One program per (sequence, query of that sequence, query head), reading the step's attention metadata
 (block_tables, context_lens, query_start_loc: see paged.py). Query i of sequence s is packed token
 query_start_loc[s] + i and sits at position p = context_len - query_len + i. The program walks the
 block table for the blocks that cover keys 0..p, loads one block of keys and values per iteration
@@ -21,10 +21,10 @@ import torch
 
 # triton (or None without it), the jit that degrades to a no-op and the masked-score constant are
 # triton_flash's: one import of triton for both kernels
-from .paged import PagedAttentionMetadata
+from .paged import PagedAttention, PagedAttentionMetadata
 from .triton_flash import MASKED, _jit, tl, triton
 
-__all__ = ["triton_paged_attention"]
+__all__ = ["TritonPagedAttention", "triton_paged_attention"]
 
 
 @_jit
@@ -84,3 +84,14 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         H // k_cache.shape[1], D, scale, BLOCK_SIZE=block_size, BLOCK_D=triton.next_power_of_2(D),
     )
     return out
+
+
+class TritonPagedAttention(PagedAttention):
+    """The engine's paged attention on the `triton` backend: one kernel serves decode rows and prefill
+    chunks alike, so both methods are that kernel (no gathered copy for prefill either)."""
+
+    def decode(self, q, k_cache, v_cache, meta: PagedAttentionMetadata) -> torch.Tensor:
+        return triton_paged_attention(q, k_cache, v_cache, meta)
+
+    def prefill(self, q, k_cache, v_cache, meta: PagedAttentionMetadata, attend=None) -> torch.Tensor:
+        return triton_paged_attention(q, k_cache, v_cache, meta)

@@ -5,6 +5,7 @@ vLLM's names, one small file each:
   block_manager.py  BlockManager: the block pool, reference counts, the prefix cache (hash chain, LRU)
   scheduler.py      Scheduler: FCFS under a token budget, prefill chunks and decode tokens in one step
   model_runner.py   ModelRunner: the KV pool tensor and one packed forward pass through the same model
+  paged_batch.py    PagedBatch: the model's cache interface over the pool for one step (-> paged attention)
   config.py         EngineConfig: every knob, one frozen dataclass checked once
   block_table.py    BlockTable: each running sequence's block ids in one persistent array
   cuda_graphs.py    DecodeGraphs: decode-only steps replayed as CUDA graphs (GPU)
@@ -24,7 +25,8 @@ from .handoff import KVHandoff
 from .kv_connector import KVConnector
 from .kv_tiers import HostTier, RedisTier
 from .llm_engine import InvalidRequest, LLMEngine
-from .model_runner import ModelRunner, PagedBatch
+from .model_runner import ModelRunner
+from .paged_batch import PagedBatch
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..attention.paged import PagedAttentionMetadata
+from .paged_batch import PagedBatch
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -28,7 +29,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, PagedBatch, max_num_seqs: int):  # the runner passes its batch class: no cycle
+    def __init__(self, runner, max_num_seqs: int):
         self.runner, self.sizes = runner, capture_sizes(max_num_seqs)
         largest, width, device = self.sizes[-1], runner.block_table.table.shape[1], runner.device
         self.scratch_slot = runner.scratch_block * runner.block_size
@@ -47,7 +48,7 @@ class DecodeGraphs:
                 meta = PagedAttentionMetadata(self.slot_mapping[:size], self.block_tables[:size],
                                               self.context_lens[:size], self.query_start_loc[:size + 1],
                                               runner.block_size, (1,) * size, (1,) * size)
-                batch = PagedBatch(runner.kv_cache, self.positions[:, :size], meta, runner.paged)
+                batch = PagedBatch(runner.kv_cache, self.positions[:, :size], meta, runner.attention)
                 runner.model(self.idx[:, :size], cache=batch, check=False)  # warm up (allocations, autotuning)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool):

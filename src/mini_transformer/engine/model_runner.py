@@ -7,13 +7,14 @@ layer's part is a view (`kv_cache[0, layer]`). Slots of one block are adjacent (
 block_size + offset). The extra last block is nobody's: the padding rows of a CUDA-graph batch write there.
 
 A step packs the new tokens of all scheduled sequences into ONE row, idx (1, N), with no padding, and
-runs the same `TransformerLM` on it. The model sees a `PagedBatch` through the cache interface
-(`begin` -> positions, `attend` -> write K/V through the slot mapping, then paged attention).
+runs the same `TransformerLM` on it. The model sees a `PagedBatch` (paged_batch.py) through the cache
+interface (`begin` -> positions, `attend` -> write K/V through the slot mapping, then paged attention).
 
 The step's inputs are built on the host from Python lists and numpy (block tables from the persistent
 `BlockTable`), and reach the device in two copies (ids/positions/logit rows, and the attention metadata),
 pinned and non_blocking on CUDA. On CUDA a decode-only step replays a captured CUDA graph (cuda_graphs.py)
-unless `enforce_eager`; on the CPU decode attention runs the C++ paged kernel (attention/paged_cpu.py).
+unless `enforce_eager`. The paged attention is chosen once, here (`self.attention`): on the CPU its decode
+is the C++ paged kernel (attention/paged_cpu.py), on the `triton` backend the Triton kernel.
 """
 
 from __future__ import annotations
@@ -21,44 +22,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..attention.paged import PagedAttentionMetadata, decode_attention_for, paged_attention, write_kv
+from ..attention.paged import PagedAttention, PagedAttentionMetadata, paged_attention_for
 from ..config import TransformerConfig
 from ..model.transformer import Attend, TransformerLM
 from .block_table import BlockTable
 from .cuda_graphs import DecodeGraphs
+from .paged_batch import PagedBatch
 from .sampler import PromptLogprobs, Sampler, read_back
 from .sequence import Sequence
-
-
-def paged_attention_for(backend: str, device: torch.device, enforce_eager: bool):
-    """The paged attention a backend uses, chosen once: the Triton kernel walks the block tables itself;
-    every other backend runs `paged_attention` (decode rows block by block, on the CPU through the C++
-    kernel of attention/paged_cpu.py; prefill rows through the backend)."""
-    if backend == "triton":
-        from ..attention.triton_paged import triton_paged_attention
-
-        return lambda q, k_cache, v_cache, meta, attend: triton_paged_attention(q, k_cache, v_cache, meta)
-    decode = decode_attention_for(device, enforce_eager)
-    return lambda q, k_cache, v_cache, meta, attend: paged_attention(q, k_cache, v_cache, meta, attend, decode)
-
-
-class PagedBatch:
-    """The cache interface over the engine's pool, for one step. positions (1, N)."""
-
-    def __init__(self, kv_cache: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata, paged):
-        self.kv_cache, self.positions, self.meta, self.paged = kv_cache, positions, meta, paged
-
-    def begin(self, idx: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        assert attention_mask is None and idx.shape == self.positions.shape
-        return self.positions  # (1, N): each token's position inside its own sequence
-
-    def attend(self, layer: int, q, k, v, attend) -> torch.Tensor:
-        """q (1, H, N, D); k, v (1, Hkv, N, D). Write every new token's K/V first, then attend: a sequence
-        that shares a block filled in this same step reads it already written."""
-        k_cache, v_cache = self.kv_cache[0, layer], self.kv_cache[1, layer]  # (num_slots, Hkv, D) views
-        write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), self.meta.slot_mapping)
-        out = self.paged(q[0].transpose(0, 1), k_cache, v_cache, self.meta, attend)  # (N, H, D)
-        return out.transpose(0, 1)[None]  # (1, H, N, D)
 
 
 def bytes_per_block(cfg: TransformerConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -85,15 +56,25 @@ class ModelRunner:
         assert all(m.backend == cfg.attn_backend for m in model.modules() if isinstance(m, Attend)), \
             "every layer must attend with the configured backend: the paged attention is chosen once"
         self.device, self.dtype = weight.device, weight.dtype
-        self.paged = paged_attention_for(cfg.attn_backend, self.device, enforce_eager)
+        self.attention = self.paged_attention(cfg.attn_backend, enforce_eager)
         shape = (2, cfg.n_layer, (num_blocks + 1) * block_size, cfg.n_kv_heads, cfg.d_head)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.scratch_block = num_blocks  # the pool's extra block: no sequence ever owns it
         self.block_table = BlockTable(-(-cfg.max_seq_len // block_size), rows=max_num_seqs)
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
-            self.graphs = DecodeGraphs(self, PagedBatch, max_num_seqs)
+            self.graphs = DecodeGraphs(self, max_num_seqs)
         self.sampler = Sampler(cfg.vocab_size, self.device)
+
+    def paged_attention(self, backend: str, enforce_eager: bool) -> PagedAttention:
+        """The pool's paged attention, chosen once: the Triton kernel walks the block tables itself for every
+        kind of row; every other backend gets attention/paged.py's (decode on the CPU through the C++ kernel,
+        prefill rows gathered, then through the model's backend)."""
+        if backend == "triton":  # imported on demand: it needs the triton package, and importing it is slow
+            from ..attention.triton_paged import TritonPagedAttention
+
+            return TritonPagedAttention()
+        return paged_attention_for(self.device, self.dtype, enforce_eager)
 
     def slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
         """(num_tokens,) the pool slots of a sequence's tokens 0 .. num_tokens-1, on the pool's device."""
@@ -147,7 +128,7 @@ class ModelRunner:
         rows are all the tokens, in order), else eager."""
         if graphable and self.graphs is not None and meta.is_decode_only and self.graphs.fits(idx.shape[1]):
             return self.graphs.run(idx, positions, meta)
-        batch = PagedBatch(self.kv_cache, positions, meta, self.paged)
+        batch = PagedBatch(self.kv_cache, positions, meta, self.attention)
         logits, _ = self.model(idx, cache=batch, logits_at=rows, check=False)  # (1, M, V): sampled rows only
         return logits[0]
 
