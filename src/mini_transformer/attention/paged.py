@@ -26,7 +26,8 @@ methods that read only those fields:
       `CompiledPagedAttention` through torch.compile (inductor turns the `[block_tables]` indexing into
       loads inside the reductions), `CpuPagedAttention` runs the C++ kernel of `paged_cpu.py` instead: one
       task per sequence walks its block table with an online softmax, no gathered copy, no padding (the
-      FlashAttention idea of stage 4 applied to pages). `triton_paged.py` is the same on a GPU.
+      FlashAttention idea of stage 4 applied to pages). On a GPU, triton_paged.py's TritonPagedAttention
+      runs one Triton kernel for both methods.
   prefill(q, k_cache, v_cache, meta, attend)  a step with prefill rows (a chunk of queries): their keys
       gathered (one index_select for all of them), then each sequence's chunk through the model's own
       contiguous attention, unpadded (queries sit at the end of the keys, so no new mask logic; a whole
@@ -35,12 +36,11 @@ methods that read only those fields:
 
     meta = PagedAttentionMetadata.build(block_tables, context_lens, query_lens, block_size, device)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)     # the new tokens' K/V into their slots
-    paged = paged_attention_for("cpu", torch.float32)       # once, when the engine is built
-    if meta.is_decode_only:
-        out = paged.decode(q, k_cache, v_cache, meta)                # (N, H, D)
+    attention = paged_attention_for("cpu", torch.float32)   # once, when the engine is built
+    if meta.is_decode_only:                                 # the step, as engine/paged_batch.py runs it
+        out = attention.decode(q, k_cache, v_cache, meta)   # (N, H, D)
     else:
-        out = paged.prefill(q, k_cache, v_cache, meta, attend)
-
+        out = attention.prefill(q, k_cache, v_cache, meta, attend)
 
 Shapes: q (N, H, D) packed; k, v (N, Hkv, D); k_cache, v_cache (num_slots, Hkv, D) for one layer.
 """
