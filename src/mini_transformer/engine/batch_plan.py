@@ -163,7 +163,7 @@ class SampledRows:
     rows: list[int]
     index: torch.Tensor | None  # (S,) the rows on the device; None: every row of the batch draws
     params: RowParams  # of these rows only
-    any_top_k: bool  # does some row use the filter? (a skipped filter would keep every token anyway)
+    any_top_k: bool  # does some row use top-k? (the neutral values of the others keep every token)
     any_top_p: bool
     any_min_p: bool
     seeded: list[tuple[int, int]]  # (place among these rows, batch row) of the rows with their own generator

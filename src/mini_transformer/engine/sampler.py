@@ -101,7 +101,8 @@ class Sampler:
         return self._plan
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
-        """(M, V) logits of the sequences that pick a token this step -> their ids, on the device."""
+        """(M, V) logits of the sequences that pick a token this step -> their ids (and the logprobs asked
+        for), on the device."""
         plan = self.plan(seqs)
         raw = logits.float()
         x = raw
@@ -110,7 +111,7 @@ class Sampler:
         if plan.any_constrained:  # after the penalties, before argmax and the filters
             x = self.grammar.apply(raw.clone() if x is raw else x, seqs)  # raw stays raw for the logprobs
         sampled = plan.sampled
-        ids = x.argmax(dim=-1) if sampled is None or sampled.index is not None else None  # (M,)
+        ids = x.argmax(dim=-1) if sampled is None or sampled.index is not None else None  # (M,); greedy rows keep it
         if sampled is not None:
             index = sampled.index  # None: every row draws
             probs = torch.softmax(filtered(x if index is None else x[index], sampled), dim=-1)  # (S, V)
