@@ -7,7 +7,8 @@ RAW logits: log_softmax before any bias, penalty or temperature (vLLM's default)
 
 Everything the host needs from a step -- the sampled ids, and the logprobs asked for -- comes back in one
 copy (`read_back`): the tensors are flattened into one float64 vector (float64 holds token ids exactly),
-read with one `.tolist()`, and unpacked onto their sequences.
+read with one `.tolist()`, and unpacked onto their sequences. The other direction, a host list onto the
+device (`to_device`), lives here too, the lowest of the sampler's modules (batch_plan.py, sampler.py).
 """
 
 from __future__ import annotations
