@@ -12,7 +12,8 @@ from test_engine import VOCAB, alone, make_model, make_prompts
 
 from mini_transformer import SamplingParams
 from mini_transformer.engine import InvalidRequest, LLMEngine
-from mini_transformer.engine.sampler import BatchPlan, Sampler, penalise
+from mini_transformer.engine.batch_plan import BatchPlan
+from mini_transformer.engine.sampler import Sampler, penalise
 from mini_transformer.engine.sequence import Sequence, TokenLogprob
 from mini_transformer.inference.sampling import sample_next
 
@@ -113,7 +114,7 @@ def test_penalties_change_logits_exactly_as_defined():
     seqs = [sequence(params, prompt, output), sequence(SamplingParams(), prompt, output)]
     sampler = Sampler(V, torch.device("cpu"))
     plan = BatchPlan.of(seqs, sampler.counts, V, torch.device("cpu"))
-    got = penalise(logits, seqs, plan, sampler.counts)
+    got = penalise(logits, seqs, plan.penalties, sampler.counts)
     want = logits[0].double().clone()
     want[9] += 2.5
     want[30] -= 100

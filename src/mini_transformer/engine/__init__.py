@@ -9,8 +9,10 @@ vLLM's names, one small file each:
   config.py         EngineConfig: every knob, one frozen dataclass checked once
   block_table.py    BlockTable: each running sequence's block ids in one persistent array
   cuda_graphs.py    DecodeGraphs: decode-only steps replayed as CUDA graphs (GPU)
-  sampler.py        Sampler: every row's next token in one batched pass (per-row parameters, device-side
-                    token counts for the penalties), logprobs and prompt logprobs, one host read a step
+  sampler.py        Sampler: every row's next token in one batched pass over the logits
+  batch_plan.py     BatchPlan: the sampler's per-row parameters (RowParams), built once per batch; the
+                    device-side token counts for the penalties (TokenCounts)
+  logprobs.py       logprobs and prompt logprobs on the device, and the step's one host read (read_back)
   llm_engine.py     LLMEngine: add_request / step / abort / generate / stats / snapshot
   snapshot.py       EngineSnapshot: a frozen picture of the queues and the pool, for a server
   handoff.py        KVHandoff: a prefilled request moved to another engine (prefill/decode disaggregation)

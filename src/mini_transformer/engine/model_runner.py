@@ -27,8 +27,9 @@ from ..config import TransformerConfig
 from ..model.transformer import Attend, TransformerLM
 from .block_table import BlockTable
 from .cuda_graphs import DecodeGraphs
+from .logprobs import PromptLogprobs, read_back
 from .paged_batch import PagedBatch
-from .sampler import PromptLogprobs, Sampler, read_back
+from .sampler import Sampler
 from .sequence import Sequence
 
 
@@ -136,7 +137,7 @@ class ModelRunner:
         """One forward pass for the scheduled (sequence, num_new_tokens) pairs. Returns, per pair, the
         sampled next token, or None when the chunk does not reach the sequence's last token (its prefill
         goes on next step). The sampled ids (and the logprobs asked for) are read back to the host once,
-        together; logprobs go onto their sequences (engine/sampler.py)."""
+        together; logprobs go onto their sequences (engine/logprobs.py)."""
         prompt = PromptLogprobs.of(scheduled)  # prompt rows get the head only when a request asks for them
         idx, positions, rows, meta, samples = self.prepare(scheduled, prompt.rows)
         samplers = [seq for (seq, _), sampled in zip(scheduled, samples, strict=True) if sampled]
