@@ -277,7 +277,7 @@ def test_random_workloads_equal_generate(data, block_size, budget, max_num_seqs,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("backend", ["sdpa", "triton"])
 def test_engine_on_cuda_equals_generate(backend):
-    """On a GPU (benchmarks/gpu_check.py runs `pytest -k cuda` with TRITON_INTERPRET=0): the pool, the
+    """On a GPU (tools/gpu_check.py runs `pytest -k cuda` with TRITON_INTERPRET=0): the pool, the
     paged attention (gathered for sdpa, the Triton kernel for triton) and sampling all on the device."""
     if backend == "triton":
         pytest.importorskip("triton")
