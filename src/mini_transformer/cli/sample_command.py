@@ -182,7 +182,7 @@ def _read_prompts(args) -> list[str]:
 def _sample_with_engine(model, tokenizer, prompts: list[str], params) -> None:
     """Several prompts as one batch of requests in the serving engine; each prompt gets its own seed
     (seed + i), so a completion does not depend on the others. The completions print in prompt order."""
-    from ..engine import LLMEngine
+    from ..engine import EngineConfig, LLMEngine
 
     context = model.config.max_seq_len
     ids, per_prompt = [], []
@@ -195,7 +195,7 @@ def _sample_with_engine(model, tokenizer, prompts: list[str], params) -> None:
         seed = None if params.seed is None else params.seed + i
         ids.append(prompt_ids)
         per_prompt.append(dataclasses.replace(params, max_tokens=room, seed=seed))
-    engine = LLMEngine(model, eos_token_id=tokenizer.eos_token_id, max_num_seqs=max(1, len(prompts)),
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=max(1, len(prompts))), eos_token_id=tokenizer.eos_token_id,
                        tokenizer=tokenizer)
     for prompt, completion in zip(prompts, engine.generate(ids, per_prompt, use_tqdm=len(prompts) > 1), strict=True):
         if params.structured is not None and completion and completion[-1] == tokenizer.eos_token_id:
