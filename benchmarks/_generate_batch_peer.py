@@ -16,7 +16,7 @@ import time
 import torch
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM
-from mini_transformer.engine import LLMEngine
+from mini_transformer.engine import EngineConfig, LLMEngine
 
 
 class ForwardTimer:
@@ -42,8 +42,8 @@ def warm_up(model, args) -> None:
     """Compile the CPU decode attention for every shape family before anything is timed (as serve does)."""
     from mini_transformer.server.run import warm_up_engine
 
-    warm_up_engine(LLMEngine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                             max_num_batched_tokens=args.max_num_batched_tokens))
+    warm_up_engine(LLMEngine(model, EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                                                 max_num_batched_tokens=args.max_num_batched_tokens)))
 
 
 # ------------------------------------------------------------- Hugging Face continuous batching
@@ -69,8 +69,8 @@ def hf_llama_pair(vocab: int, max_len: int):
 def host_share(model, prompts, params, args) -> tuple[float, list[list[int]], float]:
     """Run the engine; return (seconds, outputs, host share = 1 - forward time / step time)."""
     timer = ForwardTimer.of(model)
-    engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = LLMEngine(model, EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                                           max_num_batched_tokens=args.max_num_batched_tokens))
     timer.seconds = 0.0
     start = time.perf_counter()
     outputs = engine.generate(prompts, params, use_tqdm=False)
@@ -119,8 +119,8 @@ def profile_matmul_share(model, prompts, params, args) -> None:
     (aten::mm: every Linear of the model, the LM head included), then the top ops by self time."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = LLMEngine(model, EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                                           max_num_batched_tokens=args.max_num_batched_tokens))
     with profile(activities=[ProfilerActivity.CPU]) as prof, record_function("engine run"):
         engine.generate(prompts, params, use_tqdm=False)
     events = {e.key: e for e in prof.key_averages()}

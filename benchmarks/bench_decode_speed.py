@@ -16,7 +16,7 @@ per weight: the ceiling is  memory bandwidth / bytes read per token.  This scrip
     speculative decoding with the draft, and prompt lookup on a repetitive and on a plain prompt,
     against plain cached greedy decoding of the same prompt (outputs checked identical)
 (bench_decode.py keeps the stage-3 question: cached vs uncached decode vs Hugging Face; the bandwidth, byte
-counts and plot live in decode_roofline.py beside this script.)
+counts and plot live in _decode_roofline.py beside this script.)
 
     python benchmarks/bench_decode_speed.py --data /work/shared/data/tinyshakespeare.txt --plot roofline.png
     python benchmarks/bench_decode_speed.py --parts speed --models char --new-tokens 128
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 from _common import GRAD_MODES, add_common_args, apply_common_args, time_calls, time_interleaved
-from decode_roofline import kv_bytes_per_slot, measure_bandwidth, plot_roofline, weight_bytes
+from _decode_roofline import kv_bytes_per_slot, measure_bandwidth, plot_roofline, weight_bytes
 from tqdm import tqdm
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from _common import LLAMA_124M, add_common_args, apply_common_args, load_average, table, time_interleaved
-from decode_roofline import measure_bandwidth
+from _decode_roofline import measure_bandwidth
 
 from mini_transformer import TransformerConfig, TransformerLM, generate
 from mini_transformer.model.float_gemv import DTYPES, float_gemv, kernel_available

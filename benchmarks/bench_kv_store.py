@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM
-from mini_transformer.engine import LLMEngine
+from mini_transformer.engine import EngineConfig, LLMEngine
 from mini_transformer.engine.kv_connector import KVConnector
 from mini_transformer.engine.kv_tiers import RedisTier
 from mini_transformer.engine.sequence import Sequence
@@ -193,7 +193,8 @@ def load_vs_recompute(model: TransformerLM, redis_url: str, args) -> dict:
     Redis tier's lookup (MGET + checks) and load (copy into the pool) of the same blocks, after a save."""
     bs, prompt = args.block_size, [random.Random(1).randrange(len(CHARS)) for _ in range(args.prefix + 1)]
     blocks = args.prefix // bs
-    engine = LLMEngine(model, block_size=bs, num_blocks=blocks + 8, max_num_batched_tokens=args.prefix + 1,
+    engine = LLMEngine(model,
+                       EngineConfig(block_size=bs, num_blocks=blocks + 8, max_num_batched_tokens=args.prefix + 1),
                        kv_connector=KVConnector([RedisTier(redis_url)]))
     params = SamplingParams(max_tokens=1)
     engine.generate([prompt[:bs + 1]], params, use_tqdm=False)  # warm up
@@ -232,11 +233,13 @@ def engine_burst(model: TransformerLM, redis_url: str, args, prompts, rounds: in
             connector = None
             if mode == "redis":
                 redis.Redis.from_url(redis_url).flushall()
-                saver = LLMEngine(model, block_size=args.block_size, kv_connector=KVConnector([RedisTier(redis_url)]))
+                saver = LLMEngine(model, EngineConfig(block_size=args.block_size),
+                                  kv_connector=KVConnector([RedisTier(redis_url)]))
                 saver.generate(prompts[:1], params, use_tqdm=False)
                 saver.kv_connector.close()  # waits for the writer: the prefix is stored
                 connector = KVConnector([RedisTier(redis_url)])
-            engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=half, kv_connector=connector)
+            engine = LLMEngine(model, EngineConfig(block_size=args.block_size, max_num_seqs=half),
+                               kv_connector=connector)
             start, firsts = time.perf_counter(), []
             for prompt in prompts[half:]:
                 engine.add_request(prompt, params)

@@ -136,19 +136,19 @@ def pd_worker(rank: int, world_size: int, args) -> dict:
     model = TransformerLM(model_config(args)).eval()
     lengths = [min(n, model.config.max_seq_len - 8) for n in PD_PROMPTS]
     prompts = [torch.randint(model.config.vocab_size, (n,)).tolist() for n in lengths]
-    result = run_disaggregated(model, prompts, SamplingParams(max_tokens=8), block_size=16)
+    result = run_disaggregated(model, prompts, SamplingParams(max_tokens=8))  # block_size 16
     return dict(lengths=lengths, kv_bytes=result.kv_bytes, completions=result.completions, prompts=prompts)
 
 
 def bench_pd(args) -> list[dict]:
     from mini_transformer import SamplingParams
-    from mini_transformer.engine import LLMEngine
+    from mini_transformer.engine import EngineConfig, LLMEngine
     from mini_transformer.parallel.pd import kv_bytes_formula
 
     prefill, decode = run_processes(pd_worker, 2, args=(args,), timeout=args.timeout)
     torch.manual_seed(0)
     model = TransformerLM(model_config(args)).eval()
-    engine = LLMEngine(model, block_size=16, max_num_seqs=len(PD_PROMPTS))  # the pool run_disaggregated sizes
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=len(PD_PROMPTS)))  # the pool run_disaggregated sizes
     one = engine.generate(decode["prompts"], SamplingParams(max_tokens=8), use_tqdm=False)
     assert one == decode["completions"], "disaggregated completions differ from one engine"
     return [dict(prompt=n, kv_mb=b / MB, formula_mb=kv_bytes_formula(model, n) / MB, per_token_kb=b / n / 1e3)

@@ -19,7 +19,7 @@ import time
 
 import torch
 import torch.nn as nn
-from decode_roofline import kv_bytes_per_slot, measure_bandwidth, weight_bytes
+from _decode_roofline import kv_bytes_per_slot, measure_bandwidth, weight_bytes
 
 from mini_transformer import TransformerConfig, TransformerLM
 

@@ -52,7 +52,7 @@ from _common import add_common_args, add_serving_args, apply_common_args, time_c
 from tqdm import tqdm
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM
-from mini_transformer.engine import LLMEngine
+from mini_transformer.engine import EngineConfig, LLMEngine
 from mini_transformer.tokenizer import CharTokenizer
 
 CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;!?'-\n"
@@ -99,8 +99,8 @@ def make_workload(n: int, args, seed: int) -> list[tuple[list[int], int]]:
 
 
 def offline_tokens_per_s(model, workload, args) -> float:
-    engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = LLMEngine(model, EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                                           max_num_batched_tokens=args.max_num_batched_tokens))
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in workload]
     engine.generate([p for p, _ in workload[:2]], params[:2], use_tqdm=False)  # warm up
     outputs, seconds = time_call(lambda: engine.generate([p for p, _ in workload], params, use_tqdm=False))

@@ -50,7 +50,7 @@ from bench_structured import structured_workload
 from tqdm import tqdm
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
-from mini_transformer.engine import LLMEngine
+from mini_transformer.engine import EngineConfig, LLMEngine
 
 
 def parse_args(argv=None):
@@ -140,8 +140,9 @@ def static_batches(model, prompts, out_lens, batch_size, device):
 def run_engine(model, prompts, params, args, *, caching=True, desc="engine"):
     """All requests added at once, stepped to the end. Returns outputs, the per-step pool record, stats
     (with host_share: 1 - the model's forward time / the time inside engine.step(), over all steps)."""
-    engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=caching)
+    engine = LLMEngine(model, EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                                           max_num_batched_tokens=args.max_num_batched_tokens,
+                                           enable_prefix_caching=caching))
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     outputs = {i: [] for i in ids}
     record = []  # (seconds, blocks in use, shared blocks, kv bytes in use, kv bytes holding a token)
@@ -216,8 +217,8 @@ def steady_host_shares(model, prompts, ways: dict, args, steps: int = 32, rounds
     n = min(len(prompts), args.max_num_seqs)
     engines = {}
     for name, params in ways.items():
-        engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                           max_num_batched_tokens=args.max_num_batched_tokens)
+        engine = LLMEngine(model, EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                                               max_num_batched_tokens=args.max_num_batched_tokens))
         for prompt, p in zip(prompts[:n], params[:n], strict=True):
             engine.add_request(prompt, dataclasses.replace(p, max_tokens=model.config.max_seq_len - len(prompt)))
         while engine.stats()["prefill_tokens_computed"] < sum(map(len, prompts[:n])):
@@ -285,8 +286,8 @@ def profile_sampled_steps(model, prompts, params, args, steps=8):
     """torch.profiler over a few decode steps of a full batch of sampled requests: the sampler's share."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = LLMEngine(model, EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                                           max_num_batched_tokens=args.max_num_batched_tokens))
     sampler = engine.runner.sampler
     plain_sample = sampler.sample
 
@@ -313,8 +314,9 @@ def profile_sampled_steps(model, prompts, params, args, steps=8):
 
 def ttft(model, args, prompt, caching: bool, warm_prompt=None) -> float:
     """Seconds from add_request to the first token of `prompt`, after `warm_prompt` was served (if any)."""
-    engine = LLMEngine(model, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                       enable_prefix_caching=caching)
+    engine = LLMEngine(model, EngineConfig(block_size=args.block_size,
+                                           max_num_batched_tokens=args.max_num_batched_tokens,
+                                           enable_prefix_caching=caching))
     if warm_prompt is not None:
         engine.generate([warm_prompt], SamplingParams(max_tokens=1), use_tqdm=False)
     start = time.perf_counter()

@@ -34,7 +34,7 @@ import torch
 from _common import add_common_args, add_serving_args
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM
-from mini_transformer.engine import LLMEngine
+from mini_transformer.engine import EngineConfig, LLMEngine
 from mini_transformer.inference.structured import StructuredOutput
 from mini_transformer.tokenizer import BPETokenizer
 
@@ -62,9 +62,9 @@ def build(args):
 
 
 def run(model, tokenizer, prompts, params, args, overlap=True):
-    engine = LLMEngine(model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, eos_token_id=tokenizer.eos_token_id,
-                       tokenizer=tokenizer)
+    config = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = LLMEngine(model, config, eos_token_id=tokenizer.eos_token_id, tokenizer=tokenizer)
     engine.runner.sampler.grammar.overlap = overlap
     for p in params:  # compile before the clock starts (a server compiles at the door, once per schema)
         if p.structured is not None:

@@ -183,7 +183,7 @@ def how_to_install(missing: str) -> None:
 
 def run(args) -> None:
     import torch
-    from decode_roofline import kv_bytes_per_slot, measure_bandwidth, weight_bytes
+    from _decode_roofline import kv_bytes_per_slot, measure_bandwidth, weight_bytes
 
     from mini_transformer.inference.static_cache import static_length
 

@@ -329,7 +329,7 @@ def load_benchmark(name: str):
 
 
 def load_benchmark_with_siblings(name: str):
-    """A benchmark that imports its sibling modules (bench_roofline imports decode_roofline)."""
+    """A benchmark that imports its sibling modules (bench_roofline imports _decode_roofline)."""
     sys.path.insert(0, str(DOCS.parent / "benchmarks"))
     return load_benchmark(name)
 

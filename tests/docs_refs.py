@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "exercises").glob("*.md")])
-CODE_DIRS = ("src", "tests", "benchmarks", "exercises", "docs")
+CODE_DIRS = ("src", "tests", "benchmarks", "tools", "exercises", "docs")
 # Files a page names that live in other projects, and where.
 FOREIGN_FILES = {
     "prepare.py": "nanoGPT's data/shakespeare_char/prepare.py",
@@ -72,7 +72,7 @@ def project_index() -> dict[str, frozenset[str]]:
     return {f: defined_names(f) for f in repo_files() if f.endswith(".py")}
 
 
-def defined_anywhere(name: str, prefixes=("src/", "tests/", "benchmarks/", "exercises/", "docs/")) -> bool:
+def defined_anywhere(name: str, prefixes=("src/", "tests/", "benchmarks/", "tools/", "exercises/", "docs/")) -> bool:
     return any(name in names for f, names in project_index().items() if f.startswith(prefixes))
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
-from mini_transformer.engine import LLMEngine
+from mini_transformer.engine import EngineConfig, LLMEngine
 from mini_transformer.engine.kv_connector import KVConnector
 
 START_TIMEOUT_S = 10.0
@@ -48,7 +48,7 @@ def reference(model, prompts) -> list[list[int]]:
 def small_engine(model, block_size: int, connector: KVConnector | None) -> LLMEngine:
     """A pool twice the longest request: the fillers evict the prompts' blocks (and preempt at times)."""
     longest = -(-(43 + MAX_TOKENS) // block_size)
-    return LLMEngine(model, block_size=block_size, num_blocks=2 * longest, kv_connector=connector)
+    return LLMEngine(model, EngineConfig(block_size=block_size, num_blocks=2 * longest), kv_connector=connector)
 
 
 def serve_twice(engine: LLMEngine, prompts, fillers) -> tuple[list, list]:

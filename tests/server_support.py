@@ -12,7 +12,7 @@ import uvicorn
 from support import save_char_checkpoint
 
 from mini_transformer import SamplingParams
-from mini_transformer.engine import LLMEngine
+from mini_transformer.engine import EngineConfig, LLMEngine
 from mini_transformer.server import build_context, create_app
 
 # every character a test prompt or the default chat template uses
@@ -28,7 +28,7 @@ def make_char_checkpoint(path, *, max_seq_len: int = 96, seed: int = 0, preset: 
 
 def offline_greedy(model, prompts: list[list[int]], max_tokens: int, *, block_size: int = 4) -> list[list[int]]:
     """The reference: the same prompts through an offline LLMEngine, greedy."""
-    engine = LLMEngine(model, block_size=block_size, num_blocks=256)
+    engine = LLMEngine(model, EngineConfig(block_size=block_size, num_blocks=256))
     return engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
 
 

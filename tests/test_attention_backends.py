@@ -3,7 +3,7 @@
 The triton backend runs here under the Triton interpreter (conftest sets TRITON_INTERPRET=1), so its
 cases use small shapes and tiles of 16-32 rows; it has no float64, so it is compared in float32.
 The tests that take a `device` also run on CUDA when there is a GPU; the compiled triton kernels run
-there only with TRITON_INTERPRET=0 (`pytest -k cuda` under benchmarks/gpu_check.py does that).
+there only with TRITON_INTERPRET=0 (`pytest -k cuda` under tools/gpu_check.py does that).
 """
 
 from __future__ import annotations

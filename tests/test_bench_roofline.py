@@ -14,7 +14,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its sibling decode_roofline
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its sibling _decode_roofline
     import bench_roofline
 
     return bench_roofline

@@ -74,18 +74,6 @@ def test_bad_values_exit_2_with_a_message(capsys):
         main(["info", "--preset", "gpt5"])
 
 
-def test_bench_runs_the_script_with_its_arguments(capsys):
-    with pytest.raises(SystemExit) as done:
-        main(["bench", "decode", "--help"])
-    assert done.value.code == 0
-    assert "--lengths" in capsys.readouterr().out  # the decode script's own options
-
-
-def test_bench_rejects_unknown_names():
-    with pytest.raises(SystemExit):
-        main(["bench", "nothing"])
-
-
 def test_failures_are_one_line_and_debug_shows_the_traceback(capsys, monkeypatch):
     from mini_transformer import cli
 

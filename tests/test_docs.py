@@ -7,7 +7,7 @@ stage page ends with its exercises and break-it experiments; the roadmap lists n
 Pages: README.md, docs/*.md (new pages are picked up as they land) and exercises/README.md.
 
 What is not run, and why (each such command is still checked for what can be checked cheaply):
-- `mini-transformer train | sample | bench`, `torchrun`, `python benchmarks/...`: minutes of work or a
+- `mini-transformer train | sample`, `torchrun`, `python benchmarks/...`: minutes of work or a
   trained checkpoint; their flags are parsed by the CLI's parser / looked up in the benchmark script.
 - `pytest ...`: the suite itself (an exercise grader even fails on purpose until the learner solves
   it); the files it names must exist and each `-k` word must select at least one test.
@@ -83,7 +83,7 @@ def shell_commands(page: Path) -> list[str]:
 
 def is_inline_command(span: str) -> bool:
     """`uv run ...` or a command with flags; a bare mention (`mini-transformer sample`) or a template
-    (`bench decode|attention|train [args]`) is prose."""
+    (`bench_NAME.py [args]`) is prose."""
     return span.startswith(COMMAND_START) and ("--" in span or span.startswith("uv run ")) \
         and not re.search(r"[|\[<]|\.\.\.|…", span)
 
@@ -161,11 +161,10 @@ def test_shell_commands_run_or_parse(page, command):
         args = build_parser().parse_args(argv)  # a wrong flag or choice exits with status 2
         if args.command in QUICK_SUBCOMMANDS:
             run_cli(argv)
-        elif args.command == "bench":
-            check_flags_in_script(ROOT / "benchmarks" / f"bench_{args.name}.py", args.script_args)
     elif "pytest" in words:
         check_pytest_command(words)
-    elif words[:1] == ["python"] and words[1:2] and words[1].startswith("benchmarks/"):
+    elif (words := words[2:] if words[:2] == ["uv", "run"] else words)[:1] == ["python"] and words[1:2] \
+            and words[1].startswith("benchmarks/"):
         script = ROOT / words[1]
         assert script.is_file(), f"no script {words[1]}"
         check_flags_in_script(script, words[2:])

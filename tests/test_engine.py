@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
-from mini_transformer.engine import LLMEngine
+from mini_transformer.engine import EngineConfig, LLMEngine
 from mini_transformer.engine.sequence import Sequence
 
 VOCAB = 50
@@ -48,7 +48,7 @@ def expected(model):
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_equals_generate_alone(model, expected, block_size, prefix_caching):
-    engine = LLMEngine(model, block_size=block_size, num_blocks=200, enable_prefix_caching=prefix_caching)
+    engine = LLMEngine(model, EngineConfig(block_size=block_size, num_blocks=200, enable_prefix_caching=prefix_caching))
     assert engine.generate(make_prompts(), SamplingParams(max_tokens=10), use_tqdm=False) == expected
     stats = engine.stats()
     assert stats["blocks_in_use"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
@@ -56,7 +56,7 @@ def test_greedy_equals_generate_alone(model, expected, block_size, prefix_cachin
 
 
 def test_chunked_prefill_mixes_chunks_and_decode_tokens(model, expected):
-    engine = LLMEngine(model, block_size=4, num_blocks=200, max_num_batched_tokens=7)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=200, max_num_batched_tokens=7))
     assert engine.generate(make_prompts(), SamplingParams(max_tokens=10), use_tqdm=False) == expected
     stats = engine.stats()
     assert stats["max_batched_tokens_seen"] <= 7
@@ -64,7 +64,7 @@ def test_chunked_prefill_mixes_chunks_and_decode_tokens(model, expected):
 
 
 def test_preemption_keeps_outputs(model, expected):
-    engine = LLMEngine(model, block_size=4, num_blocks=12, max_num_batched_tokens=16)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=12, max_num_batched_tokens=16))
     assert engine.generate(make_prompts(), SamplingParams(max_tokens=10), use_tqdm=False) == expected
     stats = engine.stats()
     assert stats["preemptions"] > 0
@@ -73,7 +73,7 @@ def test_preemption_keeps_outputs(model, expected):
 
 def test_requests_added_while_others_run(model, expected):
     prompts = make_prompts()
-    engine = LLMEngine(model, block_size=4, num_blocks=40, max_num_batched_tokens=12, max_num_seqs=3)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=40, max_num_batched_tokens=12, max_num_seqs=3))
     outputs, ids, step = {}, {}, 0
     while len(ids) < len(prompts) or engine.has_unfinished_requests():
         if step % 3 == 0 and len(ids) < len(prompts):  # a new request every third step
@@ -89,10 +89,11 @@ def test_seeded_sampling_is_the_same_alone_or_in_a_batch():
     model64 = make_model("llama").double()  # float64: batched and alone logits agree far below sampling noise
     prompts = make_prompts()
     params = [SamplingParams(max_tokens=8, temperature=1.0, top_k=20, seed=100 + i) for i in range(len(prompts))]
-    batch = LLMEngine(model64, block_size=4, num_blocks=100).generate(prompts, params, use_tqdm=False)
+    batch = LLMEngine(model64, EngineConfig(block_size=4, num_blocks=100)).generate(prompts, params, use_tqdm=False)
     for prompt, p, got in zip(prompts, params, batch, strict=True):
         assert got == alone(model64, prompt, p)  # generate() with the same seed
-    single = LLMEngine(model64, block_size=4, num_blocks=100).generate(prompts[:1], params[:1], use_tqdm=False)
+    single = LLMEngine(model64, EngineConfig(block_size=4, num_blocks=100)).generate(prompts[:1], params[:1],
+                                                                                   use_tqdm=False)
     assert single[0] == batch[0]
 
 
@@ -100,7 +101,7 @@ def test_stop_tokens_and_eos_end_a_request(model):
     prompt = make_prompts()[3]
     free_run = alone(model, prompt, 10)
     stop = free_run[4]
-    engine = LLMEngine(model, block_size=4, num_blocks=50, eos_token_id=stop)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=50), eos_token_id=stop)
     rid = engine.add_request(prompt, SamplingParams(max_tokens=10))
     rid_ignore = engine.add_request(prompt, SamplingParams(max_tokens=10, ignore_eos=True))
     outs = {}
@@ -116,7 +117,7 @@ def test_stop_tokens_and_eos_end_a_request(model):
 
 
 def test_abort_frees_blocks_at_once(model):
-    engine = LLMEngine(model, block_size=4, num_blocks=50)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=50))
     prompts = make_prompts()
     ids = [engine.add_request(p, SamplingParams(max_tokens=20)) for p in prompts[:3]]
     engine.step()
@@ -142,7 +143,7 @@ def test_abort_frees_blocks_at_once(model):
     ([1, 2], SamplingParams(stop_token_ids=[VOCAB + 3]), "stop_token_ids"),
 ])
 def test_bad_requests_fail_alone(model, prompt, params, match):
-    engine = LLMEngine(model, block_size=4, num_blocks=10)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=10))
     good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=5))
     with pytest.raises(ValueError, match=match):
         engine.add_request(prompt, params)
@@ -157,18 +158,18 @@ def test_bad_engine_arguments(model):
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="num_blocks"):
-        LLMEngine(model, num_blocks=0)
+        LLMEngine(model, EngineConfig(num_blocks=0))
     with pytest.raises(ValueError, match="smaller than one block"):
-        LLMEngine(model, block_size=16, kv_cache_bytes=100)
+        LLMEngine(model, EngineConfig(block_size=16, kv_cache_bytes=100))
     with pytest.raises(ValueError, match="not both"):
-        LLMEngine(model, num_blocks=4, kv_cache_bytes=10**6)
+        LLMEngine(model, EngineConfig(num_blocks=4, kv_cache_bytes=10**6))
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        LLMEngine(model, max_num_batched_tokens=0)
+        LLMEngine(model, EngineConfig(max_num_batched_tokens=0))
     with pytest.raises(TypeError, match="TransformerLM"):
         LLMEngine("model")
     with pytest.raises(TypeError, match="SamplingParams"):
-        LLMEngine(model, num_blocks=4).add_request([1], {"max_tokens": 3})
-    engine = LLMEngine(model, block_size=4, kv_cache_bytes=10**5)
+        LLMEngine(model, EngineConfig(num_blocks=4)).add_request([1], {"max_tokens": 3})
+    engine = LLMEngine(model, EngineConfig(block_size=4, kv_cache_bytes=10**5))
     assert engine.stats()["kv_cache_bytes"] <= 10**5 and engine.num_blocks >= 1
 
 
@@ -179,12 +180,12 @@ def test_triton_backend_walks_the_block_tables_in_its_kernel():
     torch.manual_seed(0)
     model = TransformerLM(cfg).eval()
     prompts = make_prompts()[:3]
-    engine = LLMEngine(model, block_size=4, num_blocks=30, max_num_batched_tokens=8)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=30, max_num_batched_tokens=8))
     got = engine.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
     assert got == [alone(model, p, 4) for p in prompts]
     assert engine.stats()["mixed_steps"] > 0
     with pytest.raises(ValueError, match="power of two"):
-        LLMEngine(model, block_size=3, num_blocks=4)
+        LLMEngine(model, EngineConfig(block_size=3, num_blocks=4))
 
 
 def test_the_cpu_engine_decodes_through_its_paged_attention_object_to_the_kernel(monkeypatch):
@@ -197,7 +198,7 @@ def test_the_cpu_engine_decodes_through_its_paged_attention_object_to_the_kernel
     if not decode_kernel_available():
         pytest.skip("the C++ kernel cannot be built here")
     model = make_model("llama")
-    engine = LLMEngine(model, block_size=4, num_blocks=50)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=50))
     assert type(engine.runner.attention) is paged.CpuPagedAttention
     calls, kernel = [], paged.paged_decode_kernel
 
@@ -210,7 +211,7 @@ def test_the_cpu_engine_decodes_through_its_paged_attention_object_to_the_kernel
     assert engine.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False) == [alone(model, p, 4)
                                                                                         for p in prompts]
     assert calls and max(calls) == 2  # both sequences' decode rows in one call
-    assert type(LLMEngine(make_model("llama").double(), block_size=4, num_blocks=50).runner.attention) \
+    assert type(LLMEngine(make_model("llama").double(), EngineConfig(block_size=4, num_blocks=50)).runner.attention) \
         is paged.CompiledPagedAttention
 
 
@@ -225,7 +226,7 @@ def test_each_step_builds_its_metadata_once_from_the_persistent_block_table(monk
     cfg = TransformerConfig(vocab_size=VOCAB, d_model=32, n_heads=2, n_layer=2, d_ff=32, max_seq_len=32,
                             attn_backend=backend)
     model = TransformerLM(cfg).eval()
-    engine = LLMEngine(model, block_size=4, num_blocks=20, max_num_batched_tokens=6)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=20, max_num_batched_tokens=6))
     built, build = [], PagedAttentionMetadata.build.__func__
 
     def spy(cls, tables, *args, **kwargs):
@@ -251,7 +252,7 @@ def test_each_step_builds_its_metadata_once_from_the_persistent_block_table(monk
 
 
 def test_a_failing_forward_pass_ends_its_requests_and_leaves_the_engine_usable(model, monkeypatch):
-    engine = LLMEngine(model, block_size=4, num_blocks=50)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=50))
     prompt = make_prompts()[3]
     engine.add_request(prompt, SamplingParams(max_tokens=5))
 
@@ -270,7 +271,7 @@ def test_a_failing_forward_pass_ends_its_requests_and_leaves_the_engine_usable(m
 def test_repetition_penalty_sees_the_whole_sequence(model):
     prompts = make_prompts()[:3]
     params = SamplingParams(max_tokens=10, repetition_penalty=1.8)
-    got = LLMEngine(model, block_size=4, num_blocks=60).generate(prompts, params, use_tqdm=False)
+    got = LLMEngine(model, EngineConfig(block_size=4, num_blocks=60)).generate(prompts, params, use_tqdm=False)
     assert got == [alone(model, p, params) for p in prompts]
 
 
@@ -286,8 +287,9 @@ def test_random_workloads_equal_generate(data, block_size, budget, max_num_seqs,
     prompts = [base + p if i % 2 else p for i, p in enumerate(prompts)]
     max_tokens = data.draw(st.integers(1, 6))
     biggest = -(-max(len(p) + max_tokens for p in prompts) // block_size)
-    engine = LLMEngine(model, block_size=block_size, num_blocks=biggest + data.draw(st.integers(0, 6)),
-                       max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_prefix_caching=caching)
+    engine = LLMEngine(model, EngineConfig(block_size=block_size, num_blocks=biggest + data.draw(st.integers(0, 6)),
+                                           max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                           enable_prefix_caching=caching))
     arrivals = sorted(data.draw(st.lists(st.integers(0, 8), min_size=4, max_size=4)))
     ids, outputs, step = {}, {}, 0
     while len(ids) < len(prompts) or engine.has_unfinished_requests():
@@ -304,7 +306,7 @@ def test_random_workloads_equal_generate(data, block_size, budget, max_num_seqs,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("backend", ["sdpa", "triton"])
 def test_engine_on_cuda_equals_generate(backend):
-    """On a GPU (benchmarks/gpu_check.py runs `pytest -k cuda` with TRITON_INTERPRET=0): the pool, the
+    """On a GPU (tools/gpu_check.py runs `pytest -k cuda` with TRITON_INTERPRET=0): the pool, the
     paged attention (gathered for sdpa, the Triton kernel for triton) and sampling all on the device."""
     if backend == "triton":
         pytest.importorskip("triton")
@@ -318,7 +320,7 @@ def test_engine_on_cuda_equals_generate(backend):
     torch.manual_seed(0)
     model = TransformerLM(cfg).to("cuda").eval()
     prompts = make_prompts()
-    engine = LLMEngine(model, block_size=4, num_blocks=40, max_num_batched_tokens=16)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=40, max_num_batched_tokens=16))
     got = engine.generate(prompts, SamplingParams(max_tokens=10), use_tqdm=False)
     assert got == [generate(model, torch.tensor([p], device="cuda"), 10)[0].tolist() for p in prompts]
     stats = engine.stats()
@@ -349,7 +351,7 @@ def test_moe_model_through_the_engine(monkeypatch):
     torch.manual_seed(0)
     moe = TransformerLM(cfg).eval()
     prompts = make_prompts()
-    engine = LLMEngine(moe, block_size=4, num_blocks=200, max_num_batched_tokens=16)
+    engine = LLMEngine(moe, EngineConfig(block_size=4, num_blocks=200, max_num_batched_tokens=16))
     assert engine.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False) == [alone(moe, p, 8) for p in prompts]
     assert engine.stats()["mixed_steps"] > 0 and engine.stats()["blocks_in_use"] == 0
     assert paths["dispatch"] > 0 and paths["dispatch_gathered"] > 0, paths
@@ -376,9 +378,9 @@ def test_cuda_graph_decode_equals_eager_on_cuda():
     model = TransformerLM(cfg).cuda().eval()
     prompts = make_prompts()[:5]
     params = SamplingParams(max_tokens=6)
-    graphs = LLMEngine(model, block_size=4, num_blocks=100, max_num_seqs=8)
+    graphs = LLMEngine(model, EngineConfig(block_size=4, num_blocks=100, max_num_seqs=8))
     assert graphs.runner.graphs is not None
-    eager = LLMEngine(model, block_size=4, num_blocks=100, max_num_seqs=8, enforce_eager=True)
+    eager = LLMEngine(model, EngineConfig(block_size=4, num_blocks=100, max_num_seqs=8, enforce_eager=True))
     assert eager.runner.graphs is None
     assert graphs.generate(prompts, params, use_tqdm=False) == eager.generate(prompts, params, use_tqdm=False)
 
@@ -390,7 +392,7 @@ def test_a_sampled_engine_step_never_syncs_on_cuda():
     cfg = TransformerConfig(vocab_size=VOCAB, d_model=64, n_heads=4, n_kv_heads=2, n_layer=2, d_ff=128,
                             max_seq_len=64, pos_emb="rope", norm="rmsnorm", ffn="swiglu", attn_backend="sdpa")
     model = TransformerLM(cfg).cuda().eval()
-    engine = LLMEngine(model, block_size=4, num_blocks=100, max_num_seqs=8, enforce_eager=True)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=100, max_num_seqs=8, enforce_eager=True))
     for prompt in make_prompts()[:3]:
         engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=1))
     engine.step()  # the prompts

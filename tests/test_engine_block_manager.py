@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
-from mini_transformer.engine import LLMEngine, block_manager
+from mini_transformer.engine import EngineConfig, LLMEngine, block_manager
 from mini_transformer.engine.block_manager import BlockManager
 from mini_transformer.engine.sequence import Sequence
 
@@ -102,14 +102,14 @@ def test_collision_guard_keeps_engine_outputs_exact(monkeypatch):
     monkeypatch.setattr(block_manager, "hash_block_tokens", lambda parent, tokens: 7)
     model = tiny_model()
     prompts = [[1] * 9, [2] * 9, [1] * 8 + [3]]
-    engine = LLMEngine(model, block_size=BS, num_blocks=30)
+    engine = LLMEngine(model, EngineConfig(block_size=BS, num_blocks=30))
     got = engine.generate(prompts, SamplingParams(max_tokens=5), use_tqdm=False)
     assert got == [generate(model, torch.tensor([p]), 5)[0].tolist() for p in prompts]
 
 
 def test_fully_cached_prompt_through_the_engine():
     model = tiny_model()
-    engine = LLMEngine(model, block_size=BS, num_blocks=30)
+    engine = LLMEngine(model, EngineConfig(block_size=BS, num_blocks=30))
     prompt = list(range(1, 13))  # 3 full blocks
     first = engine.generate([prompt], SamplingParams(max_tokens=3), use_tqdm=False)
     computed = engine.stats()["prefill_tokens_computed"]
@@ -123,7 +123,7 @@ def test_fully_cached_prompt_through_the_engine():
 def test_no_block_leaks_after_aborts_and_preemptions():
     model = tiny_model()
     rng = random.Random(0)
-    engine = LLMEngine(model, block_size=2, num_blocks=14, max_num_batched_tokens=9, max_num_seqs=4)
+    engine = LLMEngine(model, EngineConfig(block_size=2, num_blocks=14, max_num_batched_tokens=9, max_num_seqs=4))
     live = []
     for _ in range(60):
         if rng.random() < 0.5:

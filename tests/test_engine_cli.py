@@ -1,5 +1,9 @@
 """`mini-transformer sample` with several prompts runs them through the engine: each completion equals
-generate() on that prompt alone (greedy); `bench serving` runs the benchmark script."""
+generate() on that prompt alone (greedy); benchmarks/bench_serving.py runs a tiny workload."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,11 +52,13 @@ def test_missing_prompts_are_a_clear_error(checkpoint, capsys, tmp_path):
     assert "--prompts-file" in capsys.readouterr().err
 
 
-def test_bench_serving_runs_a_tiny_workload(capsys):
-    code = main(["bench", "serving", "--requests", "3", "--min-len", "2", "--max-len", "6", "--ways", "static",
-                 "--prefix-requests", "2", "--prefix-len", "8", "--suffix-len", "2", "--prefix-output", "2",
-                 "--block-size", "4"])
-    assert code == 0
-    out = capsys.readouterr().out
+def test_bench_serving_runs_a_tiny_workload():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_serving.py"
+    done = subprocess.run([sys.executable, str(script), "--requests", "3", "--min-len", "2", "--max-len", "6",
+                           "--ways", "static", "--prefix-requests", "2", "--prefix-len", "8", "--suffix-len", "2",
+                           "--prefix-output", "2", "--block-size", "4"], capture_output=True, text=True, timeout=600)
+    code = done.returncode
+    assert code == 0, done.stderr[-3000:]
+    out = done.stdout
     assert "| engine |" in out and "engine outputs equal to generate()'s: 3 of 3 requests" in out
     assert "outputs with caching on equal those with it off: True" in out

@@ -24,7 +24,7 @@ from kv_store_support import (
     value_bytes,
 )
 
-from mini_transformer.engine import LLMEngine
+from mini_transformer.engine import EngineConfig, LLMEngine
 from mini_transformer.engine.kv_connector import KVConnector, decode_block, encode_block
 from mini_transformer.engine.kv_tiers import HostTier, RedisTier
 
@@ -89,7 +89,7 @@ def test_loaded_blocks_are_tagged_with_their_tier(model):
 CHILD = """
 import json, sys, torch
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM
-from mini_transformer.engine import LLMEngine
+from mini_transformer.engine import EngineConfig, LLMEngine
 from mini_transformer.engine.kv_connector import KVConnector
 from mini_transformer.engine.kv_tiers import RedisTier
 url, prompt, block_size = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
@@ -97,7 +97,8 @@ torch.manual_seed(0)
 cfg = TransformerConfig(vocab_size=50, d_model=32, n_heads=4, n_layer=2, d_ff=64, max_seq_len=64, init_std=0.2,
                         pos_emb="rope", n_kv_heads=2, norm="rmsnorm", ffn="swiglu", bias=False)
 connector = KVConnector([RedisTier(url)])
-engine = LLMEngine(TransformerLM(cfg).eval(), block_size=block_size, num_blocks=64, kv_connector=connector)
+engine = LLMEngine(TransformerLM(cfg).eval(), EngineConfig(block_size=block_size, num_blocks=64),
+                   kv_connector=connector)
 out = engine.generate([prompt], SamplingParams(max_tokens=6), use_tqdm=False)[0]
 connector.flush()
 print(json.dumps({"output": out, "stats": engine.stats()}))
@@ -117,7 +118,7 @@ def test_second_process_computes_only_the_tail(empty_redis):
     block_size, prompt = 4, prompts_and_fillers()[0][1]  # 43 tokens: 10 full blocks before the last token
     model = make_model("llama")
     connector = KVConnector([RedisTier(empty_redis.url)])
-    engine = LLMEngine(model, block_size=block_size, num_blocks=64, kv_connector=connector)
+    engine = LLMEngine(model, EngineConfig(block_size=block_size, num_blocks=64), kv_connector=connector)
     a = dict(output=engine.generate([prompt], PARAMS, use_tqdm=False)[0], stats=engine.stats())
     engine.kv_connector.flush()
     b = run_child(empty_redis.url, prompt, block_size)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from test_engine import VOCAB, alone, make_model, make_prompts
 
 from mini_transformer import SamplingParams
-from mini_transformer.engine import InvalidRequest, LLMEngine
+from mini_transformer.engine import EngineConfig, InvalidRequest, LLMEngine
 from mini_transformer.engine.batch_plan import BatchPlan
 from mini_transformer.engine.sampler import Sampler, penalise
 from mini_transformer.engine.sequence import Sequence, TokenLogprob
@@ -141,7 +141,7 @@ def test_logit_bias_minus_100_bans_a_token_through_the_engine():
     prompt = make_prompts()[3]
     plain = alone(model, prompt, 6)
     banned = plain[0]
-    engine = LLMEngine(model, block_size=4, num_blocks=100)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=100))
     greedy = engine.generate([prompt], SamplingParams(max_tokens=6, logit_bias={banned: -100}), use_tqdm=False)[0]
     assert banned not in greedy and greedy[0] != plain[0]
     sampled = SamplingParams(max_tokens=30, temperature=1.0, logit_bias={banned: -100.0}, seed=0)
@@ -157,7 +157,7 @@ def test_engine_and_generate_agree_on_every_new_parameter():
                              logit_bias={1: 3.0, 2: -5.0}, min_tokens=4, stop_token_ids=[0, 7])
               for i in range(len(prompts))]
     params[0] = SamplingParams(max_tokens=8, frequency_penalty=1.5, min_tokens=2, stop_token_ids=[0])  # greedy
-    engine = LLMEngine(model64, block_size=4, num_blocks=100, max_num_batched_tokens=16, eos_token_id=9)
+    engine = LLMEngine(model64, EngineConfig(block_size=4, num_blocks=100, max_num_batched_tokens=16), eos_token_id=9)
     got = engine.generate(prompts, params, use_tqdm=False)
     for prompt, p, out in zip(prompts, params, got, strict=True):
         want = alone(model64, prompt, p, eos_token_id=9)
@@ -170,7 +170,7 @@ def test_token_count_rows_are_reused_after_requests_finish():
     model = make_model("gpt2")
     prompts = make_prompts() * 3  # more penalised requests than the table's first 8 rows, in waves
     params = SamplingParams(max_tokens=4, repetition_penalty=1.5, frequency_penalty=0.4)
-    engine = LLMEngine(model, block_size=4, num_blocks=200, max_num_seqs=4)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=200, max_num_seqs=4))
     assert engine.generate(prompts, params, use_tqdm=False) == [alone(model, p, params) for p in prompts]
     assert engine.runner.sampler.counts.output.shape[0] == 8  # 4 running at a time: the rows came back
 
@@ -207,8 +207,8 @@ def test_logprobs_equal_log_softmax_of_one_full_forward(budget, caching):
     shares cached blocks with an earlier request (requests asking them skip the prefix-cache lookup)."""
     model = make_model("llama")
     prompts = make_prompts()
-    engine = LLMEngine(model, block_size=4, num_blocks=200, max_num_batched_tokens=budget,
-                       enable_prefix_caching=caching)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=200, max_num_batched_tokens=budget,
+                                           enable_prefix_caching=caching))
     if caching:  # fill the cache with the shared prefix first
         engine.generate([prompts[1]], SamplingParams(max_tokens=2), use_tqdm=False)
     params = SamplingParams(max_tokens=5, temperature=0.7, repetition_penalty=1.3, logit_bias={4: 2.0}, seed=1,
@@ -230,7 +230,7 @@ def test_logprobs_equal_log_softmax_of_one_full_forward(budget, caching):
 
 def test_logprobs_zero_gives_the_chosen_token_only_and_none_when_not_asked():
     model = make_model("gpt2")
-    engine = LLMEngine(model, block_size=4, num_blocks=50)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=50))
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, logprobs=0))
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
     outs = [out for _ in range(2) for out in engine.step()]
@@ -240,7 +240,7 @@ def test_logprobs_zero_gives_the_chosen_token_only_and_none_when_not_asked():
 
 
 def test_bad_new_parameters_are_refused_at_the_door():
-    engine = LLMEngine(make_model("gpt2"), block_size=4, num_blocks=50)
+    engine = LLMEngine(make_model("gpt2"), EngineConfig(block_size=4, num_blocks=50))
     with pytest.raises(InvalidRequest, match="logit_bias names token 50"):
         engine.add_request([1], SamplingParams(logit_bias={VOCAB: 1.0}))
     with pytest.raises(InvalidRequest, match="logprobs=51 exceeds"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM
-from mini_transformer.engine import EngineSnapshot, LLMEngine
+from mini_transformer.engine import EngineConfig, EngineSnapshot, LLMEngine
 
 VOCAB = 40
 
@@ -22,7 +22,7 @@ def model():
 
 def busy_engine(model) -> LLMEngine:
     """Four requests sharing a 12-token prefix, a pool and a max_num_seqs small enough that one waits."""
-    engine = LLMEngine(model, block_size=4, num_blocks=24, max_num_seqs=3, max_num_batched_tokens=16)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=24, max_num_seqs=3, max_num_batched_tokens=16))
     gen = torch.Generator().manual_seed(3)
     prefix = torch.randint(0, VOCAB, (12,), generator=gen).tolist()
     for n in (3, 6, 1, 9):

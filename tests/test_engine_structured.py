@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM
-from mini_transformer.engine import InvalidRequest, LLMEngine
+from mini_transformer.engine import EngineConfig, InvalidRequest, LLMEngine
 from mini_transformer.engine.structured import GrammarMasks, choice_grammar, token_bytes
 from mini_transformer.inference.generate import generate
 from mini_transformer.inference.speculative import speculative_generate
@@ -45,7 +45,7 @@ def model(tokenizer):
 
 def make_engine(model, tokenizer, **kw):
     kw = dict(block_size=4, num_blocks=256, max_num_seqs=16) | kw
-    return LLMEngine(model, eos_token_id=tokenizer.eos_token_id, tokenizer=tokenizer, **kw)
+    return LLMEngine(model, EngineConfig(**kw), eos_token_id=tokenizer.eos_token_id, tokenizer=tokenizer)
 
 
 def run(engine, prompts, params):
@@ -246,7 +246,7 @@ def test_max_tokens_before_the_grammar_ends_is_length(model, tokenizer):
 def test_a_vocabulary_without_eos_ends_when_the_grammar_is_complete():
     tok = CharTokenizer(list("abcdefghijklmnopqrstuvwxyz "))
     cfg = TransformerConfig(vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_layer=2, d_ff=64, max_seq_len=64)
-    engine = LLMEngine(TransformerLM(cfg), block_size=4, num_blocks=64, tokenizer=tok)
+    engine = LLMEngine(TransformerLM(cfg), EngineConfig(block_size=4, num_blocks=64), tokenizer=tok)
     params = [SamplingParams(max_tokens=20, temperature=1.0, seed=s, structured=StructuredOutput(
         choice=("yes", "no", "maybe so"))) for s in range(6)]
     for output, reason in run(engine, [[0, 1]] * 6, params):
@@ -256,7 +256,7 @@ def test_a_vocabulary_without_eos_ends_when_the_grammar_is_complete():
 def test_a_constraint_the_vocabulary_cannot_begin_is_refused():
     tok = CharTokenizer(list("abc "))  # no "{": no JSON object can begin
     cfg = TransformerConfig(vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_layer=2, d_ff=64, max_seq_len=64)
-    engine = LLMEngine(TransformerLM(cfg), block_size=4, num_blocks=64, tokenizer=tok)
+    engine = LLMEngine(TransformerLM(cfg), EngineConfig(block_size=4, num_blocks=64), tokenizer=tok)
     with pytest.raises(InvalidRequest, match="no token of this vocabulary can begin it") as err:
         engine.add_request([0], SamplingParams(structured=StructuredOutput(json_object=True)))
     assert err.value.argument == "json_object"
@@ -296,7 +296,7 @@ def test_the_value_and_the_other_doors_refuse_what_they_cannot_do(model, tokeniz
         SamplingParams(ignore_eos=True, structured=StructuredOutput(regex="a"))
     params = SamplingParams(structured=StructuredOutput(regex="a+"))
     with pytest.raises(InvalidRequest, match="tokenizer"):
-        LLMEngine(model, block_size=4, num_blocks=16).add_request([1], params)
+        LLMEngine(model, EngineConfig(block_size=4, num_blocks=16)).add_request([1], params)
     with pytest.raises(ValueError, match="engine"):
         generate(model, torch.tensor([[1, 2]]), params)
     with pytest.raises(ValueError, match="speculative decoding with structured output is refused"):
@@ -328,7 +328,7 @@ def test_a_vocabulary_that_is_not_byte_level_is_refused_naming_it(model):
     backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()  # sentencepiece-style
     trainer = trainers.BpeTrainer(vocab_size=100, special_tokens=["<unk>"], show_progress=False)
     backend.train_from_iterator([TEXT], trainer)
-    engine = LLMEngine(model, block_size=4, num_blocks=16, tokenizer=BPETokenizer(backend))
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=16), tokenizer=BPETokenizer(backend))
     with pytest.raises(InvalidRequest, match="byte-level") as err:
         engine.add_request([1], SamplingParams(structured=StructuredOutput(regex="a")))
     assert err.value.argument == "structured"

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py on a machine without a GPU: it stops at once and says so; its stage runner
+"""tools/gpu_check.py on a machine without a GPU: it stops at once and says so; its stage runner
 stops what runs too long; its results file is checked here on made-up stage outputs."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
 @pytest.fixture
 def gpu_check(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its sibling gpu_check_report
+    monkeypatch.syspath_prepend(str(TOOLS))  # the script imports its sibling _gpu_check_report
     import gpu_check
 
     return gpu_check
@@ -28,7 +28,7 @@ def test_without_cuda_it_exits_at_once_with_a_skip_line(tmp_path):
         pytest.skip("this machine has a GPU: the script would run its stages")
     env = dict(os.environ, GPU_CHECK_PYTHON=sys.executable)  # never `uv sync` from a test
     start = time.monotonic()
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--out", str(tmp_path / "out"),
+    done = subprocess.run([sys.executable, str(TOOLS / "gpu_check.py"), "--out", str(tmp_path / "out"),
                            "--results-dir", str(tmp_path / "results")],
                           capture_output=True, text=True, timeout=120, env=env)
     seconds = time.monotonic() - start
@@ -157,13 +157,13 @@ def test_the_error_worker_against_float64_naive_on_the_cpu(monkeypatch):
     """The attention-errors stage's own code, at a small size on the CPU (triton under the interpreter,
     which gets bf16 dots wrong: that row is expected to fail, as the skip in the backend tests says)."""
     pytest.importorskip("triton")
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import gpu_check_workers
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import _gpu_check_workers
 
-    rows = gpu_check_workers.attention_errors(device="cpu", batch=2, heads=2, kv_heads=1, T=40, head_dim=16)
+    rows = _gpu_check_workers.attention_errors(device="cpu", batch=2, heads=2, kv_heads=1, T=40, head_dim=16)
     assert [(r["backend"], r["dtype"]) for r in rows][:4] == [("sdpa", "fp32"), ("tiled", "fp32"),
                                                               ("triton", "fp32"), ("sdpa", "bf16")]
     assert all(r["ok"] for r in rows if (r["backend"], r["dtype"]) != ("triton", "bf16"))
     assert all(r["rel_out"] < 1e-6 for r in rows if r["dtype"] == "fp32")
-    table = gpu_check_workers.errors_markdown(rows).splitlines()
+    table = _gpu_check_workers.errors_markdown(rows).splitlines()
     assert len(table) == 2 + 9 and table[2].startswith("| sdpa | fp32 | ")

@@ -134,7 +134,7 @@ def test_the_cpu_engine_decodes_through_the_kernel(monkeypatch):
     of 7 tokens, decode rows beside prefill chunks), and its greedy output equals generate() alone."""
     from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
     from mini_transformer.attention import paged
-    from mini_transformer.engine import LLMEngine
+    from mini_transformer.engine import EngineConfig, LLMEngine
 
     calls = []
 
@@ -149,7 +149,7 @@ def test_the_cpu_engine_decodes_through_the_kernel(monkeypatch):
     model = TransformerLM(cfg).eval()
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 50, (n,), generator=gen).tolist() for n in (5, 19, 9, 26, 1)]
-    engine = LLMEngine(model, block_size=4, num_blocks=100, max_num_batched_tokens=7)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=100, max_num_batched_tokens=7))
     outputs = engine.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)
     assert outputs == [generate(model, torch.tensor([p]), 8)[0].tolist() for p in prompts]
     assert engine.stats()["mixed_steps"] > 0 and max(calls) > 1  # several sequences in one call

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM
-from mini_transformer.engine import InvalidRequest, LLMEngine
+from mini_transformer.engine import EngineConfig, InvalidRequest, LLMEngine
 from mini_transformer.parallel import run_processes
 from mini_transformer.parallel.pd import kv_bytes_formula, run_disaggregated
 
@@ -21,7 +21,7 @@ def build() -> TransformerLM:
 
 
 def serve(rank: int, world_size: int) -> list:
-    return [run_disaggregated(build(), PROMPTS, params, block_size=4, num_blocks=64) for params in PARAMS]
+    return [run_disaggregated(build(), PROMPTS, params, EngineConfig(block_size=4, num_blocks=64)) for params in PARAMS]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,8 @@ def two_ranks():
 
 @pytest.mark.parametrize("which", [0, 1, 2], ids=["greedy", "seeded-sampling", "max-tokens-1"])
 def test_disaggregated_equals_one_engine(two_ranks, which):
-    reference = LLMEngine(build(), block_size=4, num_blocks=64).generate(PROMPTS, PARAMS[which], use_tqdm=False)
+    engine = LLMEngine(build(), EngineConfig(block_size=4, num_blocks=64))
+    reference = engine.generate(PROMPTS, PARAMS[which], use_tqdm=False)
     assert two_ranks[1][which].completions == reference
 
 

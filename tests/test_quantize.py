@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
 from mini_transformer.checkpoint import CheckpointError
+from mini_transformer.engine import EngineConfig
 from mini_transformer.model.gemv_kernels import int4_gemv_reference, kernel_available
 from mini_transformer.model.quantize import (
     Int4Linear,
@@ -274,7 +275,7 @@ def test_server_build_context_serves_a_quantized_checkpoint(tmp_path):
     model, tokenizer = make_char_checkpoint(tmp_path)
     quantized = quantize(model, "int4", group_size=32)
     quantized.save_pretrained(tmp_path)  # over the float files: same directory, same tokenizer
-    ctx = build_context(tmp_path, num_blocks=32, block_size=4)
+    ctx = build_context(tmp_path, config=EngineConfig(num_blocks=32, block_size=4))
     served = ctx.engine_loop.engine.model
     assert served.quantization == quantized.quantization
     prompt = tokenizer.encode("hello there")
@@ -335,7 +336,7 @@ def test_engine_greedy_equals_generate_on_the_same_quantized_model(mode, dtype):
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 60, (n,), generator=gen).tolist() for n in (5, 17, 9, 1)]
     want = [generate(model, torch.tensor([p]), 12)[0].tolist() for p in prompts]
-    engine = LLMEngine(model, block_size=4, num_blocks=64)
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64))
     assert engine.generate(prompts, SamplingParams(max_tokens=12), use_tqdm=False) == want
 
 

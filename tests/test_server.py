@@ -12,6 +12,7 @@ import openai
 import pytest
 from server_support import make_char_checkpoint, offline_greedy, running_server, slowed_engine
 
+from mini_transformer.engine import EngineConfig
 from mini_transformer.server.text import DEFAULT_CHAT_TEMPLATE
 
 MODEL = "tiny"
@@ -21,7 +22,8 @@ MODEL = "tiny"
 def served(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-char")
     model, tokenizer = make_char_checkpoint(path, max_seq_len=384)
-    with running_server(path, model_name=MODEL, block_size=4, num_blocks=512, max_num_seqs=8) as server:
+    with running_server(path, config=EngineConfig(block_size=4, num_blocks=512, max_num_seqs=8),
+                        model_name=MODEL) as server:
         server.model, server.tokenizer = model, tokenizer
         server.client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
         server.http = httpx.Client(base_url=server.url, timeout=30)
@@ -263,7 +265,8 @@ def test_metrics_export_the_histograms_and_counters(served):
 
 def test_api_key_401(tmp_path):
     make_char_checkpoint(tmp_path, max_seq_len=64)
-    with running_server(tmp_path, model_name=MODEL, api_key="secret", num_blocks=64, block_size=4) as server:
+    with running_server(tmp_path, config=EngineConfig(num_blocks=64, block_size=4), model_name=MODEL,
+                        api_key="secret") as server:
         for key in ("wrong",):
             client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=30)
             with pytest.raises(openai.AuthenticationError) as err:
@@ -278,7 +281,7 @@ def test_api_key_401(tmp_path):
 
 def test_too_many_waiting_429(tmp_path):
     make_char_checkpoint(tmp_path, max_seq_len=384)
-    with running_server(tmp_path, model_name=MODEL, num_blocks=256, block_size=4, max_num_seqs=1,
+    with running_server(tmp_path, config=EngineConfig(num_blocks=256, block_size=4, max_num_seqs=1), model_name=MODEL,
                         max_waiting=0) as server, slowed_engine(server):  # the long one must still run
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
         body = {"model": MODEL, "prompt": "Long one", "max_tokens": 370, "temperature": 0, "stream": True}
@@ -330,7 +333,7 @@ def test_serves_a_hugging_face_gpt2_directory_with_its_chat_template(tmp_path):
     engine_out = offline_greedy(model, [prompt_ids], 8)[0]
     eos = tokenizer.eos_token_id
     expected = engine_out[:engine_out.index(eos)] if eos in engine_out else engine_out
-    with running_server(tmp_path, model_name="gpt2-tiny", num_blocks=64, block_size=4) as server:
+    with running_server(tmp_path, config=EngineConfig(num_blocks=64, block_size=4), model_name="gpt2-tiny") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
         out = client.chat.completions.create(model="gpt2-tiny", messages=messages, max_tokens=8, temperature=0)
     assert out.usage.prompt_tokens == len(prompt_ids)
@@ -369,7 +372,7 @@ def test_an_error_in_a_loop_turn_fails_the_request_with_500_and_the_loop_goes_on
 
 def test_health_is_503_and_requests_are_refused_once_the_engine_thread_is_gone(tmp_path):
     make_char_checkpoint(tmp_path, max_seq_len=64)
-    with running_server(tmp_path, model_name=MODEL, num_blocks=64, block_size=4) as server:
+    with running_server(tmp_path, config=EngineConfig(num_blocks=64, block_size=4), model_name=MODEL) as server:
         assert httpx.get(server.url + "/health", timeout=30).status_code == 200
         server.ctx.engine_loop.shutdown(timeout=10)  # the thread ends while the HTTP side still serves
         assert not server.ctx.engine_loop.alive
@@ -386,7 +389,7 @@ def test_an_eos_token_with_id_0_ends_the_choice(tmp_path):
     import torch
 
     from mini_transformer import SamplingParams, TransformerLM
-    from mini_transformer.engine import LLMEngine
+    from mini_transformer.engine import EngineConfig, LLMEngine
 
     model, tokenizer = make_char_checkpoint(tmp_path, max_seq_len=64)
     assert tokenizer.encode("\n") == [0]
@@ -403,10 +406,10 @@ def test_an_eos_token_with_id_0_ends_the_choice(tmp_path):
     model = TransformerLM.from_pretrained(tmp_path)
     full = offline_greedy(model, [prompt], 12)[0]
     k = full.index(0)
-    expected = LLMEngine(model, block_size=4, num_blocks=64, eos_token_id=0).generate(
+    expected = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64), eos_token_id=0).generate(
         [prompt], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
     assert k < 11 and expected == full[:k + 1]
-    with running_server(tmp_path, model_name=MODEL, num_blocks=64, block_size=4) as server:
+    with running_server(tmp_path, config=EngineConfig(num_blocks=64, block_size=4), model_name=MODEL) as server:
         assert server.ctx.engine_loop.engine.eos_token_id == 0
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
         out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
@@ -421,7 +424,7 @@ def test_the_server_admits_exactly_what_the_engine_admits(tmp_path):
 
     make_char_checkpoint(tmp_path, max_seq_len=64)
     prompt = "ten chars!"
-    with running_server(tmp_path, model_name=MODEL, num_blocks=8, block_size=4) as server:
+    with running_server(tmp_path, config=EngineConfig(num_blocks=8, block_size=4), model_name=MODEL) as server:
         engine = server.ctx.engine_loop.engine
         ids = server.ctx.codec.encode(prompt)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
@@ -443,7 +446,7 @@ def test_warm_up_leaves_the_engine_empty_and_its_greedy_tokens_unchanged(tmp_pat
     from mini_transformer.server import build_context
 
     model, tokenizer = make_char_checkpoint(tmp_path)
-    engine = build_context(tmp_path, block_size=4, warm_up=True).engine_loop.engine
+    engine = build_context(tmp_path, config=EngineConfig(block_size=4), warm_up=True).engine_loop.engine
     assert not engine.has_unfinished_requests()
     assert engine.stats()["blocks_in_use"] == 0 and engine.stats()["steps"] > 0  # it did step
     prompts = [tokenizer.encode(text) for text in ("Hello there", "a", "The quick brown fox jumps")]

@@ -15,6 +15,8 @@ import pytest
 import torch
 from server_support import make_char_checkpoint, offline_greedy, running_server
 
+from mini_transformer.engine import EngineConfig
+
 MODEL = "tiny"
 TOL = 1e-4  # float32 logits, paged attention vs one plain forward pass
 
@@ -23,7 +25,8 @@ TOL = 1e-4  # float32 logits, paged attention vs one plain forward pass
 def served(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-char")
     model, tokenizer = make_char_checkpoint(path, max_seq_len=128)
-    with running_server(path, model_name=MODEL, block_size=4, num_blocks=256, max_num_seqs=8) as server:
+    with running_server(path, config=EngineConfig(block_size=4, num_blocks=256, max_num_seqs=8),
+                        model_name=MODEL) as server:
         server.model, server.tokenizer, server.path = model, tokenizer, path
         server.client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
         server.http = httpx.Client(base_url=server.url, timeout=60)

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from server_support import ServerThread, make_char_checkpoint, offline_greedy
 
+from mini_transformer.engine import EngineConfig
 from mini_transformer.server import build_context
 from mini_transformer.server import engine_loop as engine_loop_module
 
@@ -50,7 +51,7 @@ def wait_until(condition, what: str) -> None:
 def idle_server(tmp_path, monkeypatch):
     monkeypatch.setattr(engine_loop_module, "IDLE_WAIT_S", HOUR_S)
     model, tokenizer = make_char_checkpoint(tmp_path, max_seq_len=64)
-    ctx = build_context(tmp_path, model_name="tiny", block_size=4, num_blocks=64, max_num_seqs=4)
+    ctx = build_context(tmp_path, config=EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4), model_name="tiny")
     inbox = ctx.engine_loop._inbox = WatchedInbox()  # before the engine thread starts (server start)
     server = ServerThread(ctx).start()
     try:

@@ -11,6 +11,7 @@ import pytest
 from kv_store_support import RedisServer
 from server_support import make_char_checkpoint, running_server
 
+from mini_transformer.engine import EngineConfig
 from mini_transformer.server import build_context
 
 PROMPT = "the quick brown fox jumps over the lazy dog, again and again, " * 2  # 128 characters
@@ -38,15 +39,16 @@ def complete(server) -> str:
 
 
 def test_two_replicas_share_prefix_blocks(checkpoint, redis_server):
-    with running_server(checkpoint, block_size=16) as plain:
+    with running_server(checkpoint, config=EngineConfig(block_size=16)) as plain:
         expected = complete(plain)
-    with running_server(checkpoint, block_size=16, kv_store=redis_server.url, host_kv_bytes=1 << 22) as a:
+    with running_server(checkpoint, config=EngineConfig(block_size=16), kv_store=redis_server.url,
+                        host_kv_bytes=1 << 22) as a:
         assert complete(a) == expected
         a.wait_idle()
         a.ctx.engine_loop.engine.kv_connector.flush()
         saved = a.ctx.engine_loop.engine.stats()["kv_store_blocks_saved"]
         assert saved >= len(PROMPT) // 16
-    with running_server(checkpoint, block_size=16, kv_store=redis_server.url) as b:
+    with running_server(checkpoint, config=EngineConfig(block_size=16), kv_store=redis_server.url) as b:
         assert complete(b) == expected
         state = b.wait_idle()
         engine_stats = b.ctx.engine_loop.engine.stats()

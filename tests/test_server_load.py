@@ -9,6 +9,8 @@ import httpx
 import pytest
 from server_support import make_char_checkpoint, offline_greedy, running_server
 
+from mini_transformer.engine import EngineConfig
+
 N_CLIENTS = 32
 TIMEOUT_S = 240  # a bound, not an expectation: ~5 s on an idle 2-core machine, 5x that at load 10
 
@@ -18,8 +20,9 @@ def served(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-char-load")
     model, tokenizer = make_char_checkpoint(path, max_seq_len=64)
     # room for 32 requests at once, but only 8 run together: the rest wait and join as others leave
-    with running_server(path, model_name="tiny", block_size=4, num_blocks=160, max_num_seqs=8,
-                        max_num_batched_tokens=64, max_waiting=32) as server:
+    with running_server(path,
+                        config=EngineConfig(block_size=4, num_blocks=160, max_num_seqs=8, max_num_batched_tokens=64),
+                        model_name="tiny", max_waiting=32) as server:
         server.model, server.tokenizer = model, tokenizer
         yield server
 

@@ -12,6 +12,8 @@ import httpx
 import pytest
 from server_support import make_char_checkpoint, offline_greedy, running_server, slowed_engine
 
+from mini_transformer.engine import EngineConfig
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 sync_api = pytest.importorskip("playwright.sync_api")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium)")
@@ -24,8 +26,8 @@ def test_live_page_streams_and_shows_the_blocks(tmp_path):
     expected = tokenizer.decode(offline_greedy(model, [tokenizer.encode(prompt)], max_tokens)[0])
     # three other clients share a system prompt; with max_num_seqs=4 one of the five requests waits
     others = [f"System: answer briefly.\nUser: question {i}\n" for i in range(3)]
-    with running_server(tmp_path / "ckpt", model_name="tiny", block_size=4, num_blocks=400,
-                        max_num_seqs=4) as server, sync_api.sync_playwright() as playwright, \
+    with running_server(tmp_path / "ckpt", config=EngineConfig(block_size=4, num_blocks=400, max_num_seqs=4),
+                        model_name="tiny") as server, sync_api.sync_playwright() as playwright, \
             ThreadPoolExecutor(3) as pool, slowed_engine(server):  # >= 3 s running: many 250 ms page polls
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
                                              args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])

@@ -19,6 +19,8 @@ import httpx
 import pytest
 from server_support import make_char_checkpoint, running_server
 
+from mini_transformer.engine import EngineConfig
+
 MODEL = "tiny"
 MAX_EXAMPLES = 25  # per operation and phase: ~1,000 requests, ~1 min on an idle 2-core machine
 SCHEMATHESIS_TIMEOUT_S = 540  # a bound, not an expectation
@@ -28,7 +30,8 @@ SCHEMATHESIS_TIMEOUT_S = 540  # a bound, not an expectation
 def served(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-char")
     make_char_checkpoint(path, max_seq_len=64)
-    with running_server(path, model_name=MODEL, block_size=4, num_blocks=128, max_num_seqs=8, max_waiting=32) as server:
+    with running_server(path, config=EngineConfig(block_size=4, num_blocks=128, max_num_seqs=8), model_name=MODEL,
+                        max_waiting=32) as server:
         yield server
 
 

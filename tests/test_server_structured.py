@@ -15,7 +15,7 @@ import torch
 from server_support import running_server
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM
-from mini_transformer.engine import LLMEngine
+from mini_transformer.engine import EngineConfig, LLMEngine
 from mini_transformer.inference.structured import StructuredOutput
 from mini_transformer.tokenizer import BPETokenizer
 
@@ -37,7 +37,8 @@ def served(tmp_path_factory):
     model = TransformerLM(cfg).eval()
     model.save_pretrained(path)
     tokenizer.save(path)
-    with running_server(path, model_name=MODEL, block_size=4, num_blocks=512, max_num_seqs=8) as server:
+    with running_server(path, config=EngineConfig(block_size=4, num_blocks=512, max_num_seqs=8),
+                        model_name=MODEL) as server:
         server.model, server.tokenizer = model, tokenizer
         server.client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
         server.http = httpx.Client(base_url=server.url, timeout=60)
@@ -48,7 +49,8 @@ def served(tmp_path_factory):
 def offline(served, prompt: str, structured: StructuredOutput, max_tokens: int) -> tuple[str, str]:
     """(text, finish_reason) from an offline engine: greedy, the same tokenizer and EOS."""
     tok = served.tokenizer
-    engine = LLMEngine(served.model, block_size=4, num_blocks=256, eos_token_id=tok.eos_token_id, tokenizer=tok)
+    engine = LLMEngine(served.model, EngineConfig(block_size=4, num_blocks=256), eos_token_id=tok.eos_token_id,
+                       tokenizer=tok)
     engine.add_request(tok.encode(prompt), SamplingParams(max_tokens=max_tokens, structured=structured))
     ids, reason = [], None
     while engine.has_unfinished_requests():

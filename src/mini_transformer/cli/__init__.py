@@ -1,6 +1,6 @@
-"""`mini-transformer train | sample | serve | bench | trace | info`: the command line.
+"""`mini-transformer train | sample | serve | trace | info`: the command line.
 
-One module per command (sample_command.py, train_command.py, serve_command.py, bench_command.py); the
+One module per command (sample_command.py, train_command.py, serve_command.py); the
 two commands that only look at a config, `info` and `trace`, and what every command shares (the parser,
 the one-line errors and their exit codes) stay here. `python -m mini_transformer.cli` runs __main__.py.
 """
@@ -11,13 +11,12 @@ import argparse
 import sys
 
 from ..config import PRESETS
-from .bench_command import BENCHMARKS, _add_bench
 from .options import config_from_args, parse_overrides
 from .sample_command import _add_sample, _TextStream
 from .serve_command import _add_serve
 from .train_command import DEFAULT_TRAIN_PRESET, _add_train, train_configs_from_args
 
-__all__ = ["BENCHMARKS", "DEFAULT_TRAIN_PRESET", "build_parser", "config_from_args", "main", "parse_overrides",
+__all__ = ["DEFAULT_TRAIN_PRESET", "build_parser", "config_from_args", "main", "parse_overrides",
            "train_configs_from_args", "_TextStream"]
 
 
@@ -72,7 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sample(sub)
     _add_train(sub)
     _add_serve(sub)
-    _add_bench(sub)
     for command in sub.choices.values():  # `--debug` also works after the command's name
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser

@@ -88,25 +88,7 @@ def _run_sample(args) -> None:
     model = _load_sample_model(args, checkpoint, device)  # verifies the manifest first
     tokenizer = load_tokenizer(checkpoint)
     check_vocab_size(tokenizer, model.config.vocab_size, checkpoint)
-    out = sys.stdout
-    parallel = [flag for flag, on in (("--tensor-parallel", args.tensor_parallel),
-                                      ("--pipeline-parallel", args.pipeline_parallel is not None)) if on]
-    if parallel:  # every rank runs the same loop on its shard or stage; only rank 0 prints
-        if len(parallel) > 1:
-            raise ValueError("--tensor-parallel and --pipeline-parallel do not combine here; choose one")
-        if len(prompts) > 1:
-            raise ValueError(f"{parallel[0]} continues one --prompt (several go through the engine, one process)")
-        if args.quantize or args.compile or args.draft_checkpoint or args.prompt_lookup:
-            raise ValueError(f"{parallel[0]} runs the plain model: leave out --quantize, --compile, "
-                             "--draft-checkpoint and --prompt-lookup")
-        if args.tensor_parallel:
-            from ..parallel.tp import shard_for_command_line
-
-            out = shard_for_command_line(model, device)
-        else:
-            from ..parallel.pp_inference import shard_for_command_line
-
-            out = shard_for_command_line(model, device, args.pipeline_parallel)
+    parallel, out = _shard_if_parallel(args, model, device, prompts)
     if len(prompts) > 1 or params.structured is not None:  # the grammar mask lives in the engine's sampler
         if params.structured is not None and (args.compile or args.draft_checkpoint or args.prompt_lookup
                                               or args.no_cache or parallel):
@@ -132,6 +114,29 @@ def _run_sample(args) -> None:
                   num_speculative_tokens=args.speculative_tokens)
     stream.flush()
     out.write("\n")
+
+
+def _shard_if_parallel(args, model, device, prompts):
+    """-> (the parallel flag given, if any, as a list; where to print). Under --tensor-parallel or
+    --pipeline-parallel every rank runs the same loop on its shard or stage, and only rank 0 prints."""
+    parallel = [flag for flag, on in (("--tensor-parallel", args.tensor_parallel),
+                                      ("--pipeline-parallel", args.pipeline_parallel is not None)) if on]
+    if not parallel:
+        return parallel, sys.stdout
+    if len(parallel) > 1:
+        raise ValueError("--tensor-parallel and --pipeline-parallel do not combine here; choose one")
+    if len(prompts) > 1:
+        raise ValueError(f"{parallel[0]} continues one --prompt (several go through the engine, one process)")
+    if args.quantize or args.compile or args.draft_checkpoint or args.prompt_lookup:
+        raise ValueError(f"{parallel[0]} runs the plain model: leave out --quantize, --compile, "
+                         "--draft-checkpoint and --prompt-lookup")
+    if args.tensor_parallel:
+        from ..parallel.tp import shard_for_command_line
+
+        return parallel, shard_for_command_line(model, device)
+    from ..parallel.pp_inference import shard_for_command_line
+
+    return parallel, shard_for_command_line(model, device, args.pipeline_parallel)
 
 
 def _load_sample_model(args, checkpoint, device):
@@ -182,7 +187,7 @@ def _read_prompts(args) -> list[str]:
 def _sample_with_engine(model, tokenizer, prompts: list[str], params) -> None:
     """Several prompts as one batch of requests in the serving engine; each prompt gets its own seed
     (seed + i), so a completion does not depend on the others. The completions print in prompt order."""
-    from ..engine import LLMEngine
+    from ..engine import EngineConfig, LLMEngine
 
     context = model.config.max_seq_len
     ids, per_prompt = [], []
@@ -195,7 +200,7 @@ def _sample_with_engine(model, tokenizer, prompts: list[str], params) -> None:
         seed = None if params.seed is None else params.seed + i
         ids.append(prompt_ids)
         per_prompt.append(dataclasses.replace(params, max_tokens=room, seed=seed))
-    engine = LLMEngine(model, eos_token_id=tokenizer.eos_token_id, max_num_seqs=max(1, len(prompts)),
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=max(1, len(prompts))), eos_token_id=tokenizer.eos_token_id,
                        tokenizer=tokenizer)
     for prompt, completion in zip(prompts, engine.generate(ids, per_prompt, use_tqdm=len(prompts) > 1), strict=True):
         if params.structured is not None and completion and completion[-1] == tokenizer.eos_token_id:

@@ -32,16 +32,17 @@ def _add_serve(sub) -> None:
 def _run_serve(args) -> None:
     from .._checks import integer
     from ..checkpoint import resolve_checkpoint_dir
+    from ..engine.config import EngineConfig
     from ..server import build_context, serve
 
     integer("--port", args.port, low=0, high=65535)
     model = None  # build_context loads a float32 checkpoint itself
     if args.quantize or args.dtype != "float32":
         model = load_model(resolve_checkpoint_dir(args.checkpoint), args.device, args)
-    ctx = build_context(args.checkpoint, model=model, model_name=args.model_name, api_key=args.api_key,
-                        block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_waiting=args.max_waiting, device=args.device, kv_store=args.kv_store,
+    config = EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    ctx = build_context(args.checkpoint, config=config, model=model, model_name=args.model_name,
+                        api_key=args.api_key, max_waiting=args.max_waiting, device=args.device, kv_store=args.kv_store,
                         host_kv_bytes=args.host_kv_bytes, warm_up=args.warm_up)
     print(f"serving {ctx.model_name!r} on http://{args.host}:{args.port} (live page at /, API under /v1)",
           flush=True)

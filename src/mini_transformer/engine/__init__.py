@@ -3,7 +3,8 @@
 vLLM's names, one small file each:
   sequence.py       Sequence (a request's tokens, status, block table), RequestOutput
   block_manager.py  BlockManager: the block pool, reference counts, the prefix cache (hash chain, LRU)
-  scheduler.py      Scheduler: FCFS under a token budget, prefill chunks and decode tokens in one step
+  scheduler.py      Scheduler: FCFS under a token budget, prefill chunks and decode tokens in one step;
+                    EngineCounters, the counts of what the engine did (the scheduler alone adds to them)
   model_runner.py   ModelRunner: the KV pool tensor and one packed forward pass through the same model
   paged_batch.py    PagedBatch: the model's cache interface over the pool for one step (-> paged attention)
   config.py         EngineConfig: every knob, one frozen dataclass checked once
@@ -15,7 +16,8 @@ vLLM's names, one small file each:
   logprobs.py       logprobs and prompt logprobs on the device, and the step's one host read (read_back)
   llm_engine.py     LLMEngine: add_request / step / abort / generate / stats / snapshot
   snapshot.py       EngineSnapshot: a frozen picture of the queues and the pool, for a server
-  handoff.py        KVHandoff: a prefilled request moved to another engine (prefill/decode disaggregation)
+  handoff.py        KVHandoff: a prefilled request moved to another engine (prefill/decode disaggregation);
+                    PoolHandoff: the pool's side of it, owned by the engine
   kv_connector.py   KVConnector: full blocks kept behind the pool and shared by replicas (lookup, load, save)
   kv_tiers.py       HostTier (an LRU in host memory), RedisTier (a Redis server): where those blocks live
 """
@@ -30,10 +32,11 @@ from .llm_engine import InvalidRequest, LLMEngine
 from .model_runner import ModelRunner
 from .paged_batch import PagedBatch
 from .sampler import Sampler
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import EngineCounters, Scheduler, SchedulerOutput
 from .sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
 from .snapshot import EngineSnapshot, EngineStats, RequestSnapshot
 
-__all__ = ["BlockManager", "EngineConfig", "EngineSnapshot", "EngineStats", "HostTier", "InvalidRequest", "KVConnector",
-           "KVHandoff", "LLMEngine", "ModelRunner", "PagedBatch", "RedisTier", "RequestOutput", "RequestSnapshot",
-           "Sampler", "SamplingParams", "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus", "TokenLogprob"]
+__all__ = ["BlockManager", "EngineConfig", "EngineCounters", "EngineSnapshot", "EngineStats", "HostTier",
+           "InvalidRequest", "KVConnector", "KVHandoff", "LLMEngine", "ModelRunner", "PagedBatch", "RedisTier",
+           "RequestOutput", "RequestSnapshot", "Sampler", "SamplingParams", "Scheduler", "SchedulerOutput",
+           "Sequence", "SequenceStatus", "TokenLogprob"]

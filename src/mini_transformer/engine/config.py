@@ -1,19 +1,31 @@
 """EngineConfig: every knob of the engine in one frozen dataclass, checked once when it is made.
 
     config = EngineConfig(block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
-    engine = LLMEngine(model, config)          # or LLMEngine(model, block_size=16, ...): the same thing
+    engine = LLMEngine(model, config)          # LLMEngine(model): the defaults
 
 The pool's size is `num_blocks`, or as many blocks as fit in `kv_cache_bytes`, or (neither) a share of
-memory; the engine turns it into a block count once it knows the model (bytes per block).
+memory; `pool_blocks` turns it into a block count once the engine knows the model (bytes per block).
 `enforce_eager=True` runs every step eagerly: no CUDA graphs on a GPU, no torch.compile on the CPU (vLLM's
 name for the same switch; the C++ paged decode kernel is no compiled graph and still runs).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+import torch
+
 from .._checks import boolean, positive_int
+from .block_manager import blocks_for
+
+
+def default_kv_cache_bytes(device: torch.device) -> int:
+    """A sensible share of memory for the pool: half the free GPU memory, or an eighth of the host's RAM."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
 
 
 @dataclass(frozen=True)
@@ -36,3 +48,17 @@ class EngineConfig:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
         for name in ("enable_prefix_caching", "enforce_eager"):
             boolean(name, getattr(self, name))
+
+    def pool_blocks(self, block_bytes: int, max_seq_len: int, device: torch.device) -> int:
+        """The pool's size in blocks of `block_bytes` bytes. With neither num_blocks nor kv_cache_bytes, a
+        share of `device`'s memory, capped at what max_num_seqs full-length sequences could use."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        if self.kv_cache_bytes is None:
+            cap = self.max_num_seqs * blocks_for(max_seq_len, self.block_size)
+            return max(1, min(cap, default_kv_cache_bytes(device) // block_bytes))
+        num_blocks = self.kv_cache_bytes // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={self.kv_cache_bytes} is smaller than one block "
+                             f"({block_bytes} bytes at block_size={self.block_size})")
+        return num_blocks

@@ -8,6 +8,9 @@ Only the CONTENTS of the blocks travel: the two engines' block tables differ. Th
 request blocks of its own pool, writes the prompt's K/V into their slots, counts the prompt as computed
 and appends the first token; from then on its steps decode the request as if it had prefilled it. The
 random generator's state travels too, so a seeded sampled request continues the same stream.
+
+`KVHandoff` is the data that travels; `PoolHandoff` is the pool's side of it, owned by one LLMEngine
+(its two methods above keep the requests and the counters; this file touches blocks and K/V only).
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import token_id
+from ..config import TransformerConfig
 from ..inference.sampling import SamplingParams
-from .block_manager import blocks_for
-from .sequence import Sequence
+from .block_manager import BlockManager, blocks_for
+from .model_runner import ModelRunner
+from .sequence import RequestOutput, Sequence
 
 
 @dataclass(frozen=True)
@@ -43,61 +48,67 @@ class KVHandoff:
         return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
 
 
-def prefill(engine, prompt_token_ids, params: SamplingParams) -> KVHandoff:
-    """LLMEngine.prefill_for_handoff's work, on the engine's thread. However it ends, the
-    request leaves the engine (so the next handoff finds it empty): handed off, finished at its first
-    token, or aborted when a step or the K/V copy raised. A handoff counts as one, not as an abort."""
-    if engine.requests:
-        raise RuntimeError(f"prefill_for_handoff needs an engine with no other requests in flight (it has "
-                           f"{len(engine.requests)}): their outputs of the steps it runs would be lost")
-    request_id = engine.add_request(prompt_token_ids, params)
-    seq: Sequence = engine.requests[request_id]
-    try:
-        first = None
-        while first is None:  # a long prompt may take several steps (chunked prefill)
-            first = next((out for out in engine.step() if out.request_id == request_id), None)
+class PoolHandoff:
+    """What a handoff does to one engine's pool: read a prefilled request's K/V out of its blocks, and
+    check and write a handed-off request's K/V into fresh blocks."""
+
+    def __init__(self, model_config: TransformerConfig, runner: ModelRunner, block_manager: BlockManager):
+        self.model_config, self.runner, self.block_manager = model_config, runner, block_manager
+
+    def export(self, seq: Sequence, first: RequestOutput) -> KVHandoff:
+        """The handoff of `seq`, whose step just sampled its first token (`first`)."""
         state = None if seq.generator is None else seq.generator.get_state()
         # a finished request has freed its blocks already: nothing to read
-        kv = None if first.finished else engine.runner.copy_kv_out(seq.block_table, seq.num_prompt_tokens)
-    except BaseException:
-        engine.abort(request_id)  # still holding its blocks unless the failed step ended it already
-        raise
-    if not first.finished:
-        engine._forget(seq)
-        engine.scheduler.finish(seq)  # its blocks return to the pool; its prefix stays in the cache
-        engine.counters["requests_handed_off"] += 1
-    return KVHandoff(tuple(seq.prompt_token_ids), first.new_token_ids[0], first.finished, first.finish_reason,
-                     state, kv)
+        kv = None if first.finished else self.runner.copy_kv_out(seq.block_table, seq.num_prompt_tokens)
+        return KVHandoff(tuple(seq.prompt_token_ids), first.new_token_ids[0], first.finished, first.finish_reason,
+                         state, kv)
 
+    def check(self, handoff: KVHandoff, prompt: list[int], stops: tuple[int, ...], params: SamplingParams,
+              matcher=None) -> None:
+        """The handoff's own door checks, after add_request's gave `prompt` and `stops`: an error naming
+        the field of `kv_handoff` that does not fit this engine. `matcher`: params.structured's grammar."""
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            raise ValueError("logprobs / prompt_logprobs: a KVHandoff does not carry the prefill engine's "
+                             "logprobs, so the decoding engine cannot return them complete")
+        if handoff.finished:
+            raise ValueError("kv_handoff.finished is True: the request ended at its first token, nothing to decode")
+        cfg, kv, dtype = self.model_config, handoff.kv, self.runner.dtype
+        shape = (2, cfg.n_layer, len(prompt), cfg.n_kv_heads, cfg.d_head)
+        if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != shape or kv.dtype != dtype:
+            got = f"shape {tuple(kv.shape)} and dtype {kv.dtype}" if isinstance(kv, torch.Tensor) else type(kv).__name__
+            raise ValueError(f"kv_handoff.kv is {got}; this engine expects a tensor of shape {shape} and dtype {dtype}")
+        first = handoff.first_token
+        token_id("kv_handoff.first_token", first, cfg.vocab_size)
+        if first in stops or params.max_tokens == 1:
+            raise ValueError(f"kv_handoff.first_token={first} already ends the request (a stop token, or "
+                             "max_tokens=1)")
+        _check_generator_state(handoff.generator_state, params, self.runner.device)
+        if matcher is not None and not matcher.accept_token(first):
+            raise ValueError(f"kv_handoff.first_token={first} does not fit params.structured "
+                             f"({params.structured.kind})")
+        if blocks_for(len(prompt), self.block_manager.block_size) > self.block_manager.num_free_blocks:
+            raise RuntimeError(f"the engine has no room for a {len(prompt)}-token prompt now; give it more blocks")
 
-def check_handoff(engine, handoff: KVHandoff, params: SamplingParams) -> tuple[list[int], tuple[int, ...]]:
-    """adopt_prefilled's door checks (add_request's, then the handoff's own): the prompt as a list and
-    the ids that stop it, or an error naming the field of `kv_handoff` that does not fit this engine."""
-    if not isinstance(handoff, KVHandoff):
-        raise TypeError(f"kv_handoff must be a KVHandoff, got {type(handoff).__name__}")
-    prompt, stops = engine.check_request(handoff.prompt_token_ids, params)
-    if params.logprobs is not None or params.prompt_logprobs is not None:
-        raise ValueError("logprobs / prompt_logprobs: a KVHandoff does not carry the prefill engine's "
-                         "logprobs, so the decoding engine cannot return them complete")
-    if handoff.finished:
-        raise ValueError("kv_handoff.finished is True: the request ended at its first token, nothing to decode")
-    cfg, runner, kv = engine.config, engine.runner, handoff.kv
-    shape = (2, cfg.n_layer, len(prompt), cfg.n_kv_heads, cfg.d_head)
-    if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != shape or kv.dtype != runner.dtype:
-        got = f"shape {tuple(kv.shape)} and dtype {kv.dtype}" if isinstance(kv, torch.Tensor) else type(kv).__name__
-        raise ValueError(f"kv_handoff.kv is {got}; this engine expects a tensor of shape {shape} and dtype "
-                         f"{runner.dtype}")
-    first = handoff.first_token
-    token_id("kv_handoff.first_token", first, cfg.vocab_size)
-    if first in stops or params.max_tokens == 1:
-        raise ValueError(f"kv_handoff.first_token={first} already ends the request (a stop token, or "
-                         "max_tokens=1)")
-    _check_generator_state(handoff.generator_state, params, runner.device)
-    if params.structured is not None and not engine.structured_output.matcher(params.structured).accept_token(first):
-        raise ValueError(f"kv_handoff.first_token={first} does not fit params.structured ({params.structured.kind})")
-    if blocks_for(len(prompt), engine.block_size) > engine.block_manager.num_free_blocks:
-        raise RuntimeError(f"the engine has no room for a {len(prompt)}-token prompt now; give it more blocks")
-    return prompt, stops
+    def write_in(self, seq: Sequence, handoff: KVHandoff) -> None:
+        """Give a new sequence blocks of this pool holding the handed-off prompt K/V, count the prompt as
+        computed and append the first token; check() has seen the room. Should anything fail on the way
+        (the copy to the device runs out of memory, the generator refuses its state), the blocks go back
+        and nothing stays in the prefix cache (its full blocks were registered there before their K/V
+        arrived); the error propagates."""
+        manager = self.block_manager
+        try:
+            manager.admit(seq, [])
+            allocated = manager.allocate_slots(seq, seq.num_prompt_tokens)
+            assert allocated, "check() saw the room"
+            self.runner.copy_kv_in(seq.block_table, handoff.kv)
+            if seq.generator is not None:
+                seq.generator.set_state(handoff.generator_state)
+        except BaseException:
+            manager.forget_uncomputed(seq)  # nothing counts as computed yet: every block leaves the cache
+            manager.free(seq)
+            raise
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.append_token(handoff.first_token)
 
 
 def _check_generator_state(state, params: SamplingParams, device: torch.device) -> None:
@@ -112,27 +123,3 @@ def _check_generator_state(state, params: SamplingParams, device: torch.device) 
         got = f"{state.dtype} {tuple(state.shape)}" if isinstance(state, torch.Tensor) else type(state).__name__
         raise ValueError(f"kv_handoff.generator_state is {got}; a generator on {device} keeps a "
                          f"{expected.dtype} {tuple(expected.shape)} state")
-
-
-def adopt(engine, seq: Sequence, handoff: KVHandoff) -> None:
-    """Give a new sequence (already in engine.requests) blocks of this pool holding the handed-off
-    prompt K/V, and its first token, and put it in the running batch; check_handoff has seen the room.
-    Should anything fail on the way (the copy to the device runs out of memory, the generator refuses
-    its state), the request leaves no trace: not in engine.requests, no block held, and nothing in the
-    prefix cache (its full blocks were registered there before their K/V arrived)."""
-    manager = engine.block_manager
-    try:
-        manager.admit(seq, [])
-        allocated = manager.allocate_slots(seq, seq.num_prompt_tokens)
-        assert allocated, "check_handoff saw the room"
-        engine.runner.copy_kv_in(seq.block_table, handoff.kv)
-        if seq.generator is not None:
-            seq.generator.set_state(handoff.generator_state)
-    except BaseException:
-        manager.forget_uncomputed(seq)  # nothing counts as computed yet: every block leaves the cache
-        manager.free(seq)
-        engine._forget(seq)
-        raise
-    seq.num_computed_tokens = seq.num_prompt_tokens
-    seq.append_token(handoff.first_token)
-    engine.scheduler.add_running(seq)

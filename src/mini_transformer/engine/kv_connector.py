@@ -29,6 +29,7 @@ import struct
 import threading
 import weakref
 from array import array
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -114,6 +115,28 @@ def longest_run(tiers, keys: list[bytes], check) -> tuple[list[tuple[int, bytes,
     return run, 0
 
 
+@dataclass
+class KVStoreCounters:
+    """What the connector has done since it started; only the connector adds to them (its writer thread
+    counts the saves), stats() reads them."""
+
+    lookups: int = 0
+    lookup_blocks: int = 0  # full blocks asked of the tiers
+    hit_blocks: int = 0  # of those, found and checked
+    verify_failures: int = 0  # found but refused by a check: a miss
+    blocks_saved: int = 0
+    bytes_saved: int = 0
+    saves_dropped: int = 0  # the writer's queue was full
+    bytes_loaded: int = 0  # K/V bytes copied into the pool
+    wire_bytes_loaded: int = 0  # encoded bytes read from the tiers
+    blocks_loaded: dict[str, int] = field(default_factory=dict)  # tier name -> blocks loaded from it
+
+    def as_dict(self) -> dict[str, int]:
+        """Flat: blocks_loaded comes as blocks_loaded_<tier>."""
+        flat = asdict(self)
+        return flat | {f"blocks_loaded_{name}": n for name, n in flat.pop("blocks_loaded").items()}
+
+
 class KVConnector:
     """Give it tiers, fastest first (e.g. [HostTier(2 << 30), RedisTier("redis://127.0.0.1:6379")]) and
     pass it to LLMEngine(kv_connector=...), which binds it to its model and pool."""
@@ -126,10 +149,7 @@ class KVConnector:
         self._keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> its chain of keys
         self._pending = None  # (seq, first block, its length, [(tier name, K/V)]): what lookup found, for load
         self.block_origin: dict[int, tuple[str, int]] = {}  # pool block id -> (tier, block generation)
-        names = [t.name for t in self.tiers]
-        self.counters = dict(lookups=0, lookup_blocks=0, hit_blocks=0, verify_failures=0, blocks_saved=0,
-                             bytes_saved=0, saves_dropped=0, bytes_loaded=0, wire_bytes_loaded=0,
-                             **{f"blocks_loaded_{n}": 0 for n in names})
+        self.counters = KVStoreCounters(blocks_loaded={t.name: 0 for t in self.tiers})
         self._queue: queue.Queue = queue.Queue(SAVE_QUEUE_BLOCKS)
         self._writer: threading.Thread | None = None
 
@@ -161,8 +181,8 @@ class KVConnector:
         if pending is not None and pending[:3] == (seq, num_cached_blocks, seq.num_tokens):
             return len(pending[3])  # the same request still waiting for room: no second round trip
         wanted = self.keys(seq, (seq.num_tokens - 1) // self.block_size)[num_cached_blocks:]
-        self.counters["lookups"] += 1
-        self.counters["lookup_blocks"] += len(wanted)
+        self.counters.lookups += 1
+        self.counters.lookup_blocks += len(wanted)
         tokens, bs = seq.tokens, self.block_size
 
         def check(i: int, value: bytes):
@@ -171,13 +191,13 @@ class KVConnector:
                                 self.kv_cache.dtype)
 
         run, refused = longest_run(self.tiers, wanted, check)
-        self.counters["verify_failures"] += refused  # a miss, counted; the block is computed instead
+        self.counters.verify_failures += refused  # a miss, counted; the block is computed instead
         found = [(self.tiers[t].name, kv) for t, _, kv in run]
         for i, (t, value, _) in enumerate(run):
-            self.counters["wire_bytes_loaded"] += len(value)
+            self.counters.wire_bytes_loaded += len(value)
             if t:
                 self.tiers[0].put(wanted[i], value)  # promote: the next hit is a faster tier's
-        self.counters["hit_blocks"] += len(found)
+        self.counters.hit_blocks += len(found)
         self._pending = (seq, num_cached_blocks, seq.num_tokens, found)
         return len(found)
 
@@ -190,8 +210,8 @@ class KVConnector:
         for block_id, generation, (tier_name, kv) in zip(block_ids, generations, found, strict=True):
             self.kv_cache[:, :, block_id * bs:(block_id + 1) * bs] = kv.to(self.kv_cache.device)
             self.block_origin[block_id] = (tier_name, generation)
-            self.counters[f"blocks_loaded_{tier_name}"] += 1
-            self.counters["bytes_loaded"] += kv.numel() * kv.element_size()
+            self.counters.blocks_loaded[tier_name] += 1
+            self.counters.bytes_loaded += kv.numel() * kv.element_size()
 
     # -------------------------------------------------------------------------------- saving
     def save(self, scheduled) -> None:
@@ -219,7 +239,7 @@ class KVConnector:
                 try:
                     self._queue.put_nowait((key, token_ids, kv, done))
                 except queue.Full:
-                    self.counters["saves_dropped"] += 1
+                    self.counters.saves_dropped += 1
             else:
                 self._write(key, token_ids, kv, done)
 
@@ -245,8 +265,8 @@ class KVConnector:
         value = encode_block(self.fingerprint, self.block_size, token_ids, kv)
         for tier in self.tiers:
             tier.put(key, value)  # a tier that is down drops it (and counts); the block is just not shared
-        self.counters["blocks_saved"] += 1
-        self.counters["bytes_saved"] += len(value)
+        self.counters.blocks_saved += 1
+        self.counters.bytes_saved += len(value)
 
     def flush(self) -> None:
         """Wait until every queued save reached the tiers (tests, benchmarks, shutdown)."""
@@ -264,7 +284,7 @@ class KVConnector:
     # --------------------------------------------------------------------------------- views
     def stats(self) -> dict:
         """Counters since start, with the tiers' own: errors (failed calls) and the hit rate."""
-        c = dict(self.counters)
+        c = self.counters.as_dict()
         c["lookup_hit_rate"] = round(c["hit_blocks"] / c["lookup_blocks"], 4) if c["lookup_blocks"] else 0.0
         c["store_errors"] = sum(t.errors for t in self.tiers)
         c["pending_saves"] = self._queue.qsize()

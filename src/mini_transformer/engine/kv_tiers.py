@@ -64,9 +64,6 @@ class HostTier:
                 self.evictions += 1
         return True
 
-    def describe(self) -> str:
-        return f"host tier of {self.capacity_bytes} bytes"
-
 
 def parse_redis_url(url: str) -> tuple[str, int]:
     """redis://HOST:PORT -> (host, port); anything else is refused at the door with the reason."""
@@ -105,7 +102,6 @@ class RedisTier:
         self._client = redis.Redis(host=host, port=port, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                    retry=Retry(NoBackoff(), 0), health_check_interval=0)
         self.errors = 0  # calls that failed (refused, timed out, reset)
-        self.skipped = 0  # calls not tried because the server was down a moment ago
         self._down_until = 0.0  # monotonic time before which we do not try (0: up)
         self._lock = threading.Lock()
         self.ping()  # down at start: counted and logged now, served by recomputing
@@ -126,7 +122,6 @@ class RedisTier:
         """Run one Redis call, or skip it while the server is known to be down; never raises."""
         with self._lock:
             if time.monotonic() < self._down_until:
-                self.skipped += 1
                 return failed
         try:
             result = fn()
@@ -147,13 +142,6 @@ class RedisTier:
         if first:
             log.warning("kv store %s failed (%s: %s); recomputing instead, retrying in %.1f s",
                         self.url, type(err).__name__, err, self.retry_after_s)
-
-    @property
-    def is_down(self) -> bool:
-        return bool(self._down_until)
-
-    def describe(self) -> str:
-        return f"redis tier at {self.url}"
 
     def close(self) -> None:
         self._client.close()

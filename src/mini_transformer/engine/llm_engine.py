@@ -1,7 +1,6 @@
 """LLMEngine: the public face of the serving engine. One step = schedule -> run the model -> update.
 
     engine = LLMEngine(model, EngineConfig(block_size=16, max_num_seqs=64, max_num_batched_tokens=512))
-    engine = LLMEngine(model, block_size=16, max_num_seqs=64)   # the same: keywords build the EngineConfig
     request_id = engine.add_request(prompt_ids, SamplingParams(max_tokens=64))
     while engine.has_unfinished_requests():
         for out in engine.step():          # RequestOutput(request_id, new_token_ids, finished, finish_reason)
@@ -18,7 +17,6 @@ every call). Only `check_request`, which reads what __init__ fixed, may be calle
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from collections.abc import Sequence as Seq
 
@@ -28,24 +26,15 @@ from tqdm import tqdm
 from .._checks import instance, positive_int, power_of_two, token_id, token_ids
 from ..inference.sampling import SamplingParams
 from ..model.transformer import TransformerLM
-from . import handoff
 from .block_manager import BlockManager, blocks_for
 from .config import EngineConfig
-from .handoff import KVHandoff
+from .handoff import KVHandoff, PoolHandoff
 from .kv_connector import KVConnector
 from .model_runner import ModelRunner, bytes_per_block
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
 from .snapshot import EngineSnapshot, EngineStats
 from .structured import GrammarError, StructuredOutputManager
-
-
-def default_kv_cache_bytes(device: torch.device) -> int:
-    """A sensible share of memory for the pool: half the free GPU memory, or an eighth of the host's RAM."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free // 2
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
 
 
 class InvalidRequest(ValueError):
@@ -59,11 +48,9 @@ class InvalidRequest(ValueError):
 
 class LLMEngine:
     def __init__(self, model: TransformerLM, config: EngineConfig | None = None, *,
-                 eos_token_id: int | None = None, kv_connector: KVConnector | None = None, tokenizer=None,
-                 **options):
-        """`config` (an EngineConfig), or its fields as keywords (block_size=16, num_blocks=..., ...).
-        `num_blocks` KV blocks of `block_size` tokens; or as many as fit in `kv_cache_bytes`; or, with
-        neither, a share of memory (capped at what max_num_seqs full-length sequences could use).
+                 eos_token_id: int | None = None, kv_connector: KVConnector | None = None, tokenizer=None):
+        """`config` (an EngineConfig; None: its defaults) sizes the pool and the batch: `num_blocks` KV
+        blocks of `block_size` tokens, or as many as fit in `kv_cache_bytes`, or a share of memory.
         `eos_token_id` ends a request unless its SamplingParams say ignore_eos. The model is put in eval
         mode (the engine only runs inference) and is used as it is: its device and dtype are the pool's.
         `kv_connector` (engine/kv_connector.py) keeps full blocks in tiers behind the pool (host memory,
@@ -71,50 +58,39 @@ class LLMEngine:
         `tokenizer` (a CharTokenizer or byte-level BPETokenizer) is needed only by requests with
         SamplingParams.structured: the grammar's token masks are built from its vocabulary."""
         instance("model", model, TransformerLM)
-        if config is not None and options:
-            raise ValueError(f"give config or its fields as keywords, not both (got {sorted(options)})")
-        if config is not None:
-            instance("config", config, EngineConfig)
-        config = EngineConfig(**options) if config is None else config  # EngineConfig checks its fields
-        cfg = model.config
-        block_size = config.block_size
-        if cfg.attn_backend == "triton":  # the triton backend's paged kernel needs a power of two
-            power_of_two("block_size", block_size)
+        config = EngineConfig() if config is None else config
+        instance("config", config, EngineConfig)  # EngineConfig checked its own fields when it was made
+        model_config = model.config
+        if model_config.attn_backend == "triton":  # the triton backend's paged kernel needs a power of two
+            power_of_two("block_size", config.block_size)
         if eos_token_id is not None:
-            token_id("eos_token_id", eos_token_id, cfg.vocab_size)
+            token_id("eos_token_id", eos_token_id, model_config.vocab_size)
         model.check_backend(training=False)  # the engine runs in eval mode; the paged kernel trusts this
         weight = model.tok_emb.weight
-        block_bytes = bytes_per_block(cfg, block_size, weight.dtype)
-        num_blocks = config.num_blocks
-        if num_blocks is None and config.kv_cache_bytes is None:
-            cap = config.max_num_seqs * blocks_for(cfg.max_seq_len, block_size)
-            num_blocks = max(1, min(cap, default_kv_cache_bytes(weight.device) // block_bytes))
-        elif num_blocks is None:
-            num_blocks = config.kv_cache_bytes // block_bytes
-            if num_blocks < 1:
-                raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} is smaller than one block "
-                                 f"({block_bytes} bytes at block_size={block_size})")
+        num_blocks = config.pool_blocks(bytes_per_block(model_config, config.block_size, weight.dtype),
+                                        model_config.max_seq_len, weight.device)
         if kv_connector is not None:
             instance("kv_connector", kv_connector, KVConnector)
 
         self.model = model.eval()
-        self.config, self.engine_config = cfg, config
-        self.block_size, self.num_blocks = block_size, num_blocks
+        self.config, self.model_config = config, model_config
+        self.block_size, self.num_blocks = config.block_size, num_blocks
         self.eos_token_id = eos_token_id
         self.tokenizer = tokenizer
         self._structured: StructuredOutputManager | None = None  # built at the first constrained request
         self._structured_lock = threading.Lock()  # check_request may build it from a server's HTTP thread
-        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(model, num_blocks, block_size, config.max_num_seqs, config.enforce_eager)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.enforce_eager)
         self.kv_connector = kv_connector
         if kv_connector is not None:
-            kv_connector.bind(model, self.runner.kv_cache, block_size)
+            kv_connector.bind(model, self.runner.kv_cache, config.block_size)
+        # the scheduler owns the counters (engine.scheduler.counters): it sees every step, finish and abort
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    kv_connector)
+        self._handoff = PoolHandoff(model_config, self.runner, self.block_manager)
         self.requests: dict[str, Sequence] = {}  # unfinished requests by id
         self._ids = itertools.count()
         self._arrivals = itertools.count()
-        self.counters = self.scheduler.counters  # the scheduler counts what it does; stats() reads them
 
     # ----------------------------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -149,7 +125,7 @@ class LLMEngine:
         """add_request's door checks, on their own: the prompt as a list and the ids that stop it, or
         InvalidRequest naming the argument at fault. It reads only what __init__ fixed, so a server's
         HTTP thread may call it to refuse a request before it reaches the engine thread."""
-        cfg = self.config
+        cfg = self.model_config
         instance("params", params, SamplingParams)
         prompt = self._prompt_list(prompt_token_ids)
         total = len(prompt) + params.max_tokens
@@ -189,12 +165,13 @@ class LLMEngine:
                                              "LLMEngine(model, tokenizer=...)")
         with self._structured_lock:
             if self._structured is None:
-                self._structured = StructuredOutputManager(self.tokenizer, self.config.vocab_size, self.eos_token_id)
+                self._structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                          self.eos_token_id)
         return self._structured
 
     def _prompt_list(self, prompt_token_ids) -> list[int]:
         try:
-            return token_ids("prompt_token_ids", prompt_token_ids, self.config.vocab_size)
+            return token_ids("prompt_token_ids", prompt_token_ids, self.model_config.vocab_size)
         except ValueError as err:  # a TypeError (not a list at all) is the caller's bug, not a request to refuse
             raise InvalidRequest("prompt_token_ids", str(err)) from None
 
@@ -203,22 +180,38 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.finish(seq)
+        self.scheduler.abort(seq)
         seq.finish("abort")
-        self.counters["requests_aborted"] += 1
         return True
 
     # ------------------------------------------------------------- prefill/decode disaggregation
     def prefill_for_handoff(self, prompt_token_ids, params: SamplingParams | None = None) -> KVHandoff:
         """Run one request's prompt until its first token is sampled and hand back what another engine
-        needs to decode it (see engine/handoff.py); the request then leaves this engine (its blocks
-        return to the pool, its prefix stays cached). The engine must have no other requests in flight."""
-        return handoff.prefill(self, prompt_token_ids, SamplingParams() if params is None else params)
+        needs to decode it (see engine/handoff.py). The engine must have no other requests in flight.
+        However it ends, the request leaves the engine: handed off (its blocks return to the pool, its
+        prefix stays cached), finished at its first token, or aborted when a step or the K/V copy raised."""
+        if self.requests:
+            raise RuntimeError(f"prefill_for_handoff needs an engine with no other requests in flight (it has "
+                               f"{len(self.requests)}): their outputs of the steps it runs would be lost")
+        request_id = self.add_request(prompt_token_ids, params)
+        seq = self.requests[request_id]
+        try:
+            first = None
+            while first is None:  # a long prompt may take several steps (chunked prefill)
+                first = next((out for out in self.step() if out.request_id == request_id), None)
+            kv_handoff = self._handoff.export(seq, first)
+        except BaseException:
+            self.abort(request_id)  # still holding its blocks unless the failed step ended it already
+            raise
+        if not first.finished:
+            self._forget(seq)
+            self.scheduler.hand_off(seq)  # counted as handed off, not as aborted
+        return kv_handoff
 
     def kv_buffer(self, num_tokens: int) -> torch.Tensor:
         """An empty (2, n_layer, num_tokens, Hkv, D) CPU tensor of the pool's dtype: where a receiver
         puts the K/V of a handoff before adopt_prefilled."""
-        cfg = self.config
+        cfg = self.model_config
         positive_int("num_tokens", num_tokens)
         return torch.empty(2, cfg.n_layer, num_tokens, cfg.n_kv_heads, cfg.d_head, dtype=self.runner.dtype)
 
@@ -227,11 +220,20 @@ class LLMEngine:
         """Take over a request another engine prefilled (prefill_for_handoff there, same params): its
         prompt K/V go into blocks of this pool, its first token is appended, and it joins the running
         batch, so the next steps decode it. Returns its request id here; the first token is not
-        reported again by step(). max_num_seqs does not hold it back: the caller paces what it hands over."""
+        reported again by step(). max_num_seqs does not hold it back: the caller paces what it hands over.
+        A handoff that does not fit this engine raises, naming the field of `kv_handoff` at fault."""
         params = SamplingParams() if params is None else params
-        prompt, stops = handoff.check_handoff(self, kv_handoff, params)
+        instance("kv_handoff", kv_handoff, KVHandoff)
+        prompt, stops = self.check_request(kv_handoff.prompt_token_ids, params)
+        matcher = None if params.structured is None else self.structured_output.matcher(params.structured)
+        self._handoff.check(kv_handoff, prompt, stops, params, matcher)
         seq = self._new_sequence(prompt, params, stops, request_id)
-        handoff.adopt(self, seq, kv_handoff)
+        try:
+            self._handoff.write_in(seq, kv_handoff)
+        except BaseException:
+            self._forget(seq)  # the request leaves no trace: its blocks went back already
+            raise
+        self.scheduler.add_running(seq)
         return seq.request_id
 
     def has_unfinished_requests(self) -> bool:
@@ -313,12 +315,13 @@ class LLMEngine:
     def engine_stats(self) -> EngineStats:
         """The one stats object: stats(), snapshot() and a server's metrics all read this."""
         store = None if self.kv_connector is None else self.kv_connector.stats()
-        return EngineStats.of(self.counters, self.block_manager, self.scheduler, self.runner.kv_cache.nbytes
+        return EngineStats.of(self.scheduler.counters, self.block_manager, self.scheduler, self.runner.kv_cache.nbytes
                               // (self.num_blocks + 1) * self.num_blocks, store)
 
     def snapshot(self) -> EngineSnapshot:
         """The queues, each request's block table, the pool block by block and the stats, all from one
         moment, as plain frozen data for a server's metrics and live page (call it on the engine's thread)."""
         tiers = None if self.kv_connector is None else self.kv_connector.block_tiers(self.block_manager.blocks)
-        return EngineSnapshot.of(self.scheduler, self.block_manager, self.engine_stats(), self.config.attn_backend,
+        return EngineSnapshot.of(self.scheduler, self.block_manager, self.engine_stats(),
+                                 self.model_config.attn_backend,
                                  tiers)

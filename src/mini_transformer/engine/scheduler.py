@@ -31,6 +31,24 @@ from .sequence import RequestOutput, Sequence, SequenceStatus
 
 
 @dataclass
+class EngineCounters:
+    """What the engine has done since it started. The scheduler owns them and alone adds to them (it
+    sees every step, finish, abort and handoff); stats() and a server's metrics read them."""
+
+    steps: int = 0
+    prefill_tokens_computed: int = 0
+    decode_tokens_computed: int = 0
+    prefix_cache_hit_tokens: int = 0
+    preemptions: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    requests_handed_off: int = 0
+    max_batched_tokens_seen: int = 0
+    mixed_steps: int = 0  # steps with prefill chunks beside decode tokens
+    kv_store_hit_tokens: int = 0  # prompt tokens loaded from the KV connector's tiers
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute)
     preempted: list[Sequence] = field(default_factory=list)
@@ -51,10 +69,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
-        self.counters = dict(steps=0, prefill_tokens_computed=0, decode_tokens_computed=0,
-                             prefix_cache_hit_tokens=0, preemptions=0, requests_finished=0,
-                             requests_aborted=0, requests_handed_off=0, max_batched_tokens_seen=0,
-                             mixed_steps=0, kv_store_hit_tokens=0)
+        self.counters = EngineCounters()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -74,9 +89,9 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
-        self.counters["preemptions"] += len(out.preempted)
-        self.counters["prefix_cache_hit_tokens"] += out.prefix_cache_hit_tokens
-        self.counters["kv_store_hit_tokens"] += out.kv_store_hit_tokens
+        self.counters.preemptions += len(out.preempted)
+        self.counters.prefix_cache_hit_tokens += out.prefix_cache_hit_tokens
+        self.counters.kv_store_hit_tokens += out.kv_store_hit_tokens
         return out
 
     def update_from_output(self, plan: SchedulerOutput, next_ids: list[int | None]
@@ -85,16 +100,16 @@ class Scheduler:
         sampled token (None: a prefill chunk that stops short of the last token), finish and free the
         sequences that are done. Returns the outputs and the sequences that finished (vLLM v1's name)."""
         c = self.counters
-        c["steps"] += 1
+        c.steps += 1
         prefilling = [seq.num_computed_tokens < seq.num_prompt_tokens for seq, _ in plan.scheduled]
-        c["mixed_steps"] += any(prefilling) and not all(prefilling)  # prefill beside decode
-        c["max_batched_tokens_seen"] = max(c["max_batched_tokens_seen"], plan.num_batched_tokens)
+        c.mixed_steps += any(prefilling) and not all(prefilling)  # prefill beside decode
+        c.max_batched_tokens_seen = max(c.max_batched_tokens_seen, plan.num_batched_tokens)
         outputs, finished = [], []
         for (seq, num_new), token in zip(plan.scheduled, next_ids, strict=True):
             start = seq.num_computed_tokens
             in_prompt = max(0, min(start + num_new, seq.num_prompt_tokens) - start)
-            c["prefill_tokens_computed"] += in_prompt
-            c["decode_tokens_computed"] += num_new - in_prompt
+            c.prefill_tokens_computed += in_prompt
+            c.decode_tokens_computed += num_new - in_prompt
             seq.num_computed_tokens += num_new
             if token is None:
                 continue
@@ -102,7 +117,7 @@ class Scheduler:
             if seq.is_finished:
                 self.finish(seq)
                 finished.append(seq)
-                c["requests_finished"] += 1
+                c.requests_finished += 1
             logprobs = None if seq.params.logprobs is None else (seq.output_logprobs[-1],)
             prompt_logprobs = None
             if seq.needs_prompt_logprobs:  # complete by now: the first token needed the whole prompt computed
@@ -162,9 +177,19 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Take a finished (or aborted) sequence out of the queues and free its blocks."""
+        """Take a finished (or failed) sequence out of the queues and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """finish(), counted as an abort (LLMEngine.abort)."""
+        self.finish(seq)
+        self.counters.requests_aborted += 1
+
+    def hand_off(self, seq: Sequence) -> None:
+        """finish(), counted as a handoff: another engine decodes it (LLMEngine.prefill_for_handoff)."""
+        self.finish(seq)
+        self.counters.requests_handed_off += 1

@@ -102,11 +102,6 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
-    def max_total_tokens(self) -> int:
-        """The most tokens this sequence can ever hold in the pool (its last token is never computed)."""
-        return self.num_prompt_tokens + self.params.max_tokens - 1
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

@@ -16,13 +16,13 @@ from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 
 from .block_manager import BlockManager
-from .scheduler import Scheduler
+from .scheduler import EngineCounters, Scheduler
 from .sequence import Sequence
 
 
 @dataclass(frozen=True)
 class EngineStats:
-    """Counters since the engine started (the scheduler's), and the pool as it is now."""
+    """Counters since the engine started (the scheduler's EngineCounters), and the pool as it is now."""
 
     steps: int
     prefill_tokens_computed: int
@@ -49,10 +49,10 @@ class EngineStats:
     kv_store: Mapping[str, int] = field(default_factory=dict)  # the KV connector's counters (none without one)
 
     @classmethod
-    def of(cls, counters: dict, manager: BlockManager, scheduler: Scheduler, kv_cache_bytes: int,
+    def of(cls, counters: EngineCounters, manager: BlockManager, scheduler: Scheduler, kv_cache_bytes: int,
            kv_store: Mapping[str, int] | None = None) -> EngineStats:
         block_bytes = kv_cache_bytes // manager.num_blocks
-        return cls(**counters, kv_store=dict(kv_store or {}),
+        return cls(**asdict(counters), kv_store=dict(kv_store or {}),
                    num_blocks=manager.num_blocks, block_size=manager.block_size,
                    blocks_in_use=manager.num_blocks_in_use, peak_blocks_in_use=manager.peak_blocks_in_use,
                    shared_blocks=manager.num_shared_blocks, cached_blocks=len(manager.hash_to_block_id),

@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation: one process prefills, another decodes, the KV blocks travel between them.
 
     # on every rank of a 2-rank group (torchrun): rank 0 prefills, rank 1 decodes
-    result = run_disaggregated(model, prompts, params, block_size=16)
+    result = run_disaggregated(model, prompts, params, EngineConfig(block_size=16))
     result.completions   # rank 1: the output ids of every prompt, as one LLMEngine would give them
     result.kv_bytes      # both ranks: the KV bytes that moved, per request
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..engine import KVHandoff, LLMEngine
+from ..engine import EngineConfig, KVHandoff, LLMEngine
 from ..inference.sampling import SamplingParams
 from ..model.transformer import TransformerLM
 
@@ -83,14 +83,15 @@ def _receive_one(engine: LLMEngine, prompt: list[int], params: SamplingParams, s
     return engine.adopt_prefilled(handoff, params), first, handoff.kv_bytes
 
 
-def run_disaggregated(model: TransformerLM, prompts: list[list[int]], params: SamplingParams, *,
-                      block_size: int = 16, num_blocks: int | None = None, group=None) -> DisaggregatedResult:
-    """Serve `prompts` with rank 0 prefilling and rank 1 decoding (call it on both, same arguments).
+def run_disaggregated(model: TransformerLM, prompts: list[list[int]], params: SamplingParams,
+                      config: EngineConfig | None = None, *, group=None) -> DisaggregatedResult:
+    """Serve `prompts` with rank 0 prefilling and rank 1 decoding (call it on both, same arguments); each
+    rank's engine is made with `config` (None: EngineConfig's defaults, room for every prompt at once).
     Seeded or greedy sampling gives what one LLMEngine gives; unseeded sampling draws from each
     process's own global generator and cannot match."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-    engine = LLMEngine(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max(1, len(prompts)))
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=max(1, len(prompts))) if config is None else config)
     for prompt in prompts:  # refused on both ranks before any message, or the decode rank would wait forever
         engine.check_request(prompt, params)
     if not dist.is_initialized() or dist.get_world_size(group) != 2:

@@ -78,6 +78,16 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app.state.ctx = ctx
     install_error_handlers(app, ctx.metrics)
     install_openapi(app, ctx)
+    require_key = _key_check(ctx)
+    _add_status_routes(app, ctx, require_key)
+    _add_generation_routes(app, ctx, require_key)
+    _add_state_route(app, ctx, require_key)
+    add_tokenizer_routes(app, ctx, require_key)
+    return app
+
+
+def _key_check(ctx: ServerContext) -> Callable:
+    """The dependency every /v1 and tokenizer route has: the api key, when the server has one."""
 
     async def require_key(request: Request) -> None:
         if ctx.api_key is None:
@@ -88,6 +98,10 @@ def create_app(ctx: ServerContext) -> FastAPI:
             raise ErrorResponse(401, f"{what} API key: send the header 'Authorization: Bearer <key>'",
                                 code="invalid_api_key")
 
+    return require_key
+
+
+def _add_status_routes(app: FastAPI, ctx: ServerContext, require_key: Callable) -> None:
     @app.get("/", include_in_schema=False)
     async def page():
         return FileResponse(STATIC / "index.html", media_type="text/html")
@@ -108,6 +122,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
     async def models():
         return P.models_response(ctx.model_name, ctx.max_model_len)
 
+
+def _add_generation_routes(app: FastAPI, ctx: ServerContext, require_key: Callable) -> None:
     @app.post("/v1/completions", dependencies=[Depends(require_key)], **describe("completions"))
     async def completions(body: CompletionRequest, request: Request):
         _check_common(ctx, body)
@@ -154,6 +170,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
         gen = Generation(ctx.engine_loop, ctx.codec, [prompt], params, options)
         return await _respond(gen, body, request, ctx, chat=True)
 
+
+def _add_state_route(app: FastAPI, ctx: ServerContext, require_key: Callable) -> None:
     @app.get("/v1/engine/state", dependencies=[Depends(require_key)], **describe("state"))
     async def engine_state(request: Request):
         # ?stream=true is read here, not declared: a stream that never ends stays out of the schema
@@ -166,9 +184,6 @@ def create_app(ctx: ServerContext) -> FastAPI:
                 await asyncio.sleep(STATE_STREAM_INTERVAL_S)
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    add_tokenizer_routes(app, ctx, require_key)
-    return app
 
 
 def _check_common(ctx: ServerContext, body) -> None:

@@ -100,9 +100,10 @@ def _push_quietly(handle: RequestHandle, item) -> None:
 
 
 class EngineLoop:
-    def __init__(self, engine, metrics: ServerMetrics, *, max_num_seqs: int, max_waiting: int):
+    def __init__(self, engine, metrics: ServerMetrics, *, max_waiting: int):
         self.engine, self.metrics = engine, metrics
-        self.capacity = max_num_seqs + max_waiting  # requests in flight beyond this are refused (429)
+        # requests in flight beyond the running batch and max_waiting queued are refused (429)
+        self.capacity = engine.config.max_num_seqs + max_waiting
         self.in_flight = 0  # counted on the asyncio side: submitted and not yet ended
         self.draining = False  # shutting down: no new requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .._checks import non_negative_int
 from ..checkpoint import resolve_checkpoint_dir
+from ..engine.config import EngineConfig
 from ..model.transformer import TransformerLM
 from ..tokenizer import check_vocab_size
 from .app import ServerContext, create_app
@@ -22,18 +23,19 @@ from .text import TextCodec
 GRACEFUL_SHUTDOWN_S = 60  # running requests get this long to finish after SIGTERM
 
 
-def build_context(checkpoint: str | Path, *, model_name: str | None = None, api_key: str | None = None,
-                  block_size: int = 16, kv_cache_bytes: int | None = None, num_blocks: int | None = None,
-                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_waiting: int = 256,
-                  device: str = "cpu", model=None, kv_store: str | None = None,
-                  host_kv_bytes: int | None = None, warm_up: bool = False) -> ServerContext:
+def build_context(checkpoint: str | Path, *, config: EngineConfig | None = None, model_name: str | None = None,
+                  api_key: str | None = None, max_waiting: int = 256, device: str = "cpu", model=None,
+                  kv_store: str | None = None, host_kv_bytes: int | None = None,
+                  warm_up: bool = False) -> ServerContext:
     """Load the model and tokenizer of `checkpoint` (ours or a Hugging Face GPT-2 / Llama directory) and
-    put an engine around them. `model` may be given to serve a model already in memory. `kv_store`
+    put an engine around them, sized by `config` (None: EngineConfig's defaults). `model` may be given to
+    serve a model already in memory. `kv_store`
     (redis://HOST:PORT) and `host_kv_bytes` add KV store tiers behind the pool (engine/kv_connector.py).
     `warm_up`: run warm_up_engine before returning, so no client pays for compiling."""
     from ..engine import LLMEngine
 
-    non_negative_int("max_waiting", max_waiting)  # block_size, max_num_seqs, ...: LLMEngine's door checks them
+    non_negative_int("max_waiting", max_waiting)  # EngineConfig checked its own fields
+    config = EngineConfig() if config is None else config
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty; give a key, or none to serve without one")
     checkpoint = resolve_checkpoint_dir(checkpoint)  # `best` is found even in the middle of a save
@@ -43,33 +45,32 @@ def build_context(checkpoint: str | Path, *, model_name: str | None = None, api_
     check_vocab_size(codec.tokenizer, model.config.vocab_size, checkpoint)  # refused here, not mid-generation
     connector = kv_connector(kv_store, host_kv_bytes)
     # the engine adds EOS to each request's stop ids itself (SamplingParams.stops), unless ignore_eos
-    engine = LLMEngine(model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
-                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       eos_token_id=codec.eos_token_id, kv_connector=connector, tokenizer=codec.tokenizer)
+    engine = LLMEngine(model, config, eos_token_id=codec.eos_token_id, kv_connector=connector,
+                       tokenizer=codec.tokenizer)
     if warm_up:
         warm_up_engine(engine)
     stats = engine.stats()
     metrics = ServerMetrics()
     return ServerContext(
-        engine_loop=EngineLoop(engine, metrics, max_num_seqs=max_num_seqs, max_waiting=max_waiting),
+        engine_loop=EngineLoop(engine, metrics, max_waiting=max_waiting),
         codec=codec, metrics=metrics, model_name=model_name or Path(checkpoint).resolve().name,
-        max_model_len=model.config.max_seq_len, pool_tokens=stats["num_blocks"] * block_size,
+        max_model_len=model.config.max_seq_len, pool_tokens=stats["num_blocks"] * config.block_size,
         vocab_size=model.config.vocab_size, api_key=api_key,
     )
 
 
 def warm_up_engine(engine) -> None:
     """Step a few dummy requests through the engine before the server says it is ready. On the CPU the
-    decode rows run the C++ kernel (attention/paged_cpu.py), built when the engine is made, and this takes
-    ~0.2 s; where that kernel cannot be built, the paged decode attention is compiled on first use (10-40 s
-    on 2 busy cores), and compiled again for each shape family it meets: one or several sequences, one or
-    several blocks per table, decode-only or mixed with prefill (torch.compile specialises sizes 0 and 1
-    and the slices of a mixed step). Without this, the first clients would wait for those compilations.
+    decode rows run the C++ kernel (attention/paged_cpu.py), built when the engine is made, so this is
+    quick; where that kernel cannot be built, the paged decode attention is compiled on first use, and
+    compiled again for each shape family it meets: one or several sequences, one or several blocks per
+    table, decode-only or mixed with prefill (torch.compile specialises sizes 0 and 1 and the slices of a
+    mixed step). Without this, the first clients would wait for those compilations (docs/07 has the times).
     The dummy requests count in the engine's stats (steps, tokens computed) like any others; their blocks
     are freed when they finish."""
     from ..inference.sampling import SamplingParams
 
-    cfg = engine.config
+    cfg = engine.model_config
     short = max(1, min(3, cfg.max_seq_len - 2))
     long = max(1, min(engine.block_size + 2, cfg.max_seq_len - 2))  # reaches a second block
     params = SamplingParams(max_tokens=2, ignore_eos=True)

@@ -1,16 +1,15 @@
 """One prepared check of everything CUDA-side, in one go on a lent GPU (at most 8 minutes).
 
-    python3 benchmarks/gpu_check.py                    # results in out/gpu-check-<date>/ and benchmarks/results/
-    python3 benchmarks/gpu_check.py --out "$OUT"       # on a lent device machine: that folder comes back;
-                                                       # then copy its gpu-<date>.md into benchmarks/results/
-    python3 benchmarks/gpu_check.py --stages bench-attention,train   # rerun some stages only
+    python3 tools/gpu_check.py                  # results in out/gpu-check-<date>/ and benchmarks/results/
+    python3 tools/gpu_check.py --out DIR        # results in DIR; copy its gpu-<date>.md into benchmarks/results/
+    python3 tools/gpu_check.py --stages bench-attention,train   # rerun some stages only
 
 Stages, each a subprocess with its own time limit, all inside --budget seconds:
   attention-tests   tests/test_attention_backends.py -k cuda: sdpa, tiled, triton against float64 naive (fp32,
                     bf16, fp16; forward and backward; padding; GQA), compiled kernels (TRITON_INTERPRET=0)
-  attention-errors  each backend's error per dtype at T=1024, D=64, GQA, padding (gpu_check_workers.py errors)
+  attention-errors  each backend's error per dtype at T=1024, D=64, GQA, padding (_gpu_check_workers.py errors)
   bench-attention   bench_attention.py --device cuda --dtype bf16, T = 1024, 4096, 16384: TFLOP/s, plots
-  train             a short training run with bf16 autocast and torch.compile (gpu_check_workers.py train)
+  train             a short training run with bf16 autocast and torch.compile (_gpu_check_workers.py train)
   bench-decode      bench_decode.py --device cuda with every decode method it has
   cuda-tests        every other test with a cuda case (pytest tests -k cuda), if there is one
   extras            every other benchmarks/bench_*.py that takes --device (engine, quantization, ...), on cuda;
@@ -40,8 +39,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import gpu_check_report as rep
-from gpu_check_report import Stage
+import _gpu_check_report as rep
+from _gpu_check_report import Stage
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIPPED = 77
@@ -135,7 +134,7 @@ def attention_errors(ctx: Context) -> list[Stage]:
         return (f"triton bf16 relative error out {r['rel_out']:.1g}, dq {r['rel_dq']:.1g}, dk {r['rel_dk']:.1g}, "
                 f"dv {r['rel_dv']:.1g} (bound {r['tolerance']:g}){over}")
 
-    cmd = [*ctx.python, "benchmarks/gpu_check_workers.py", "errors"]
+    cmd = [*ctx.python, "tools/_gpu_check_workers.py", "errors"]
     return [ctx.run("attention-errors", cmd, 60, lambda rc, out: rc == 0 and rep.last_json(out)["ok"], summary,
                     rep.markdown_lines, TRITON_INTERPRET="0")]
 
@@ -160,7 +159,7 @@ def train(ctx: Context) -> list[Stage]:
                 f"-> {r['loss_last10']:.2f} ({'falls' if r['loss_falls'] else 'does NOT fall'}), "
                 f"first step with compile {r['first_step_s']:.0f} s")
 
-    cmd = [*ctx.python, "benchmarks/gpu_check_workers.py", "train", "--out-dir", ctx.out, "--steps",
+    cmd = [*ctx.python, "tools/_gpu_check_workers.py", "train", "--out-dir", ctx.out, "--steps",
            ctx.args.train_steps, "--data", ctx.args.train_data]
     return [ctx.run("train", cmd, 180, lambda rc, out: rc == 0 and rep.last_json(out)["loss_falls"], summary,
                     rep.markdown_lines)]

@@ -125,7 +125,7 @@ def attention_markdown(rows: list[dict]) -> str:
 def assemble_report(info: dict, stages: list[Stage], seconds: float, budget: float) -> str:
     """The results file: environment, one summary line per stage, then each stage's table or output."""
     lines = [f"# GPU check, {info.get('date', '?')}", "",
-             f"`benchmarks/gpu_check.py` ran {len(stages)} stages in {seconds:.0f} s (budget {budget:.0f} s). "
+             f"`tools/gpu_check.py` ran {len(stages)} stages in {seconds:.0f} s (budget {budget:.0f} s). "
              "Exit codes, limits and how to rerun: the script's docstring and docs/04.", "",
              "| | |", "|---|---|"]
     lines += [f"| {label} | {info[key]} |" for label, key in ENV_ROWS if info.get(key)]

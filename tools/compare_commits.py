@@ -5,7 +5,7 @@ imported from that tree); the commits take turns, round after round, so a change
 both. Same model (GPT-2 layout, seeded random weights), same prompt, same threads. Besides wall time it
 reports the process's CPU time per token, which a busy machine disturbs far less (with one thread).
 
-    python benchmarks/compare_commits.py 1ae7546 HEAD --new-tokens 512 --rounds 5
+    python tools/compare_commits.py 1ae7546 HEAD --new-tokens 512 --rounds 5
 """
 
 from __future__ import annotations

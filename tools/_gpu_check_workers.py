@@ -1,7 +1,7 @@
-"""The two stages of benchmarks/gpu_check.py that are Python rather than an existing script.
+"""The two stages of tools/gpu_check.py that are Python rather than an existing script.
 
-    python benchmarks/gpu_check_workers.py errors                 # attention error table on CUDA
-    python benchmarks/gpu_check_workers.py train --out-dir DIR    # short bf16 + torch.compile training run
+    python tools/_gpu_check_workers.py errors                # attention error table on CUDA
+    python tools/_gpu_check_workers.py train --out-dir DIR   # short bf16 + torch.compile training run
 
 Each prints a markdown table (for the results file) and, as its last line, one JSON object that
 gpu_check.py reads. Both need CUDA and the package on the path (gpu_check sets PYTHONPATH=src).
@@ -113,7 +113,7 @@ def main(argv=None) -> None:
     p.add_argument("--backend", default="sdpa", help="train: the attention backend")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("gpu_check_workers needs a CUDA device")
+        raise SystemExit("_gpu_check_workers needs a CUDA device")
     if args.worker == "errors":
         rows = attention_errors()
         print(errors_markdown(rows))
