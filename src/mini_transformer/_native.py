@@ -85,8 +85,9 @@ def build(prefix: str, source: str, what: str, fakes: dict[str, Callable] | None
     running it. False where it cannot be built (the caller runs its reference)."""
     if prefix not in _built:
         _built[prefix] = _load(prefix, (source,), what, portable=False)
-        for name, shape in (fakes or {}).items() if _built[prefix] else ():
-            torch.library.register_fake(name)(shape)
+        if _built[prefix]:
+            for name, shape in (fakes or {}).items():
+                torch.library.register_fake(name)(shape)
     return _built[prefix]
 
 
