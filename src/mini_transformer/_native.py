@@ -43,9 +43,10 @@ def _build_name(prefix: str, source: str) -> str:
 
 def _source_text(sources: list[Path], cflags: list[str]) -> str:
     """What a build's name must follow besides the machine: every file of csrc/ it may include (the headers
-    too), byte for byte, and the compiler flags."""
+    too), byte for byte, the compiler flags, and csrc/'s directory (the build's command line names it, so
+    two checkouts sharing the cache would otherwise rebuild each other's kernels, as for torch's directory)."""
     files = sorted({*sources, *CSRC.glob("*.h")})
-    return " ".join(cflags) + "".join(path.read_text() for path in files)
+    return f"{CSRC} " + " ".join(cflags) + "".join(path.read_text() for path in files)
 
 
 def _cflags(portable: bool) -> list[str]:
