@@ -19,8 +19,9 @@ The kernel (csrc/float_gemv.cpp, built on first use by `_native.build`) does, fo
     so every thread count gives the same bits.
 
 That is the AVX-512 path (csrc/float_gemv_avx512.h). Beside it the portable path (16 independent fp32 sums
-per row in plain C++) is no faster than inductor's fused reduction, so `kernel_available` says False where a
-dtype would run it and the compiled step keeps aten's matmul.
+per row in plain C++) does not beat PyTorch's own matmul (about even in fp32, slower in 16 bits:
+benchmarks/bench_kernels.py), so `kernel_available` says False where a dtype would run it and the compiled
+step keeps PyTorch's.
 
 Where fp32 matters in a 16-bit model: the GEMV sums here (a bf16 running sum of 768 terms would keep ~3
 significant digits); RMSNorm (layers.py computes mean(x^2) and the rsqrt in fp32, then rounds); attention
@@ -55,7 +56,7 @@ def float_gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 @cache
 def kernel_available(dtype: torch.dtype) -> bool:
     """Build and load the C++ kernel (first call in a process). True only where `dtype` runs its AVX-512
-    path (bf16 needs AVX512_BF16): the portable one is no faster than inductor's fused reduction."""
+    path (bf16 needs AVX512_BF16): the portable one does not beat PyTorch's matmul."""
     if dtype not in DTYPES or not build("mt_float", "float_gemv.cpp", "float GEMV",
                                         fakes={"mt_float::gemv": _gemv_shape}):
         return False
