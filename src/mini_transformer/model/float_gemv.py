@@ -19,7 +19,7 @@ The kernel (csrc/float_gemv.cpp, built on first use by `_native.build`) does, fo
     so every thread count gives the same bits.
 
 That is the AVX-512 path (csrc/float_gemv_avx512.h). Beside it the portable path (16 independent fp32 sums
-per row in plain C++) does not beat PyTorch's own matmul (about even in fp32, slower in 16 bits:
+per row in plain C++) does not beat PyTorch's own matmul (about even in fp32, slower in bf16:
 benchmarks/bench_kernels.py), so `kernel_available` says False where a dtype would run it and the compiled
 step keeps PyTorch's.
 
