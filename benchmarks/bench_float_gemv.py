@@ -7,7 +7,7 @@ through it, on the 124.7M Llama of issue 28 (vs_llama_cpp.py's layout, random we
           GB/s = weight bytes / time (the read roof is measured beside it)
   decode  generate(compile=True), 64-token prompt, --new-tokens greedy steps (timed from the first sampled
           token to the last, as vs_llama_cpp.py): fp32 and bf16 through the kernels, and both with the C++
-          kernels off (MT_NATIVE_KERNELS=0: inductor's fused reductions), in two worker processes taking
+          kernels off (MINI_TRANSFORMER_NATIVE_KERNELS=0: inductor's fused reductions), in two worker processes taking
           turns A B C D A B C D; how many greedy tokens equal eager's (fp32 all of them; a near tie in bf16
           flips one: see tests/test_float_gemv.py)
   ppl     a small char model trained here, held-out perplexity scored token by token through the compiled
@@ -89,8 +89,8 @@ def timed_generate(model, prompt, n, compile_: bool = True):
 
 
 def worker(n: int) -> None:
-    """One process, one configuration (the kernels on, or MT_NATIVE_KERNELS=0): loads both models, compiles on
-    the first run of each, then times a run per request line ("fp32" / "bf16" / "eager-fp32" / ...)."""
+    """One process, one configuration (the kernels on, or MINI_TRANSFORMER_NATIVE_KERNELS=0): loads both models,
+    compiles on the first run of each, then times a run per request line ("fp32" / "bf16" / "eager-fp32" / ...)."""
     fp32 = llama()
     models = {"fp32": fp32, "bf16": copy.deepcopy(fp32).to(torch.bfloat16)}
     prompt = torch.randint(3, LLAMA_124M["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(2))
@@ -102,7 +102,7 @@ def worker(n: int) -> None:
 
 class Worker:
     def __init__(self, n: int, threads: int, kernel: bool):
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MT_NATIVE_KERNELS": "1" if kernel else "0"}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MINI_TRANSFORMER_NATIVE_KERNELS": "1" if kernel else "0"}
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", str(n), "--threads", str(threads)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 

@@ -1,8 +1,21 @@
-"""_native.py names each C++ build after everything its binary depends on (no build happens here)."""
+"""_native.py: each C++ build named after everything its binary depends on; the portable build (AVX-512
+off) of every kernel against the kernel's PyTorch reference."""
 
+import math
+import platform
+
+import pytest
 import torch
+import torch.nn as nn
+from test_float_gemv import assert_within_rounding, inputs
+from test_one_query_cpu import exact_one_query, one_query_setup
+from test_paged_cpu import decode_setup
+from test_quantize import reference_in_float64
 
 from mini_transformer import _native
+from mini_transformer.attention.paged import paged_decode_attention
+from mini_transformer.model.float_gemv import DTYPES, float_gemv_reference
+from mini_transformer.model.quantize import Int4Linear
 
 
 def test_the_build_name_follows_the_source_and_the_torch_install(monkeypatch):
@@ -13,3 +26,77 @@ def test_the_build_name_follows_the_source_and_the_torch_install(monkeypatch):
     # command line names torch's include and lib paths, and ninja would rebuild on every change of them
     monkeypatch.setattr(torch, "__file__", "/elsewhere/.venv/lib/python3.11/site-packages/torch/__init__.py")
     assert _native._build_name("mt_x", "int f();") != name
+
+
+# Every kernel's portable path (AVX-512 off: the plain C++ a machine without it runs), built once into one
+# extension whose operators end in _portable, against the same references as the SIMD builds' tests.
+
+@pytest.fixture(scope="module")
+def portable():
+    if not _native.build_portable():
+        pytest.skip("the portable C++ kernels cannot be built here")
+    if platform.machine().lower() in ("x86_64", "amd64"):  # the build really left AVX-512 out
+        assert not torch.ops.mt_paged_portable.vectorized() and not torch.ops.mt_gemv_portable.vectorized()
+        assert not torch.ops.mt_one_query_portable.vectorized()
+        assert not any(torch.ops.mt_float_portable.vectorized(dtype) for dtype in DTYPES)
+    return torch.ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M, N, K, bias", [(1, 1, 1, False), (1, 70, 300, True), (3, 65, 48, False),
+                                           (5, 100, 17, True), (8, 33, 257, False)])
+def test_portable_float_gemv_within_rounding(portable, dtype, M, N, K, bias):
+    """K with and without a tail past the 16 lanes, 1-8 rows (4 at a time and what is left): within one
+    rounding of float64, and at most one step of the dtype plus the fp32 sums' bounds from the reference."""
+    x, w, b = inputs(M, N, K, bias, M * N + K, dtype)
+    got = portable.mt_float_portable.gemv(x, w, b)
+    assert_within_rounding(got, x, w, b)
+    want = float_gemv_reference(x, w, b).double()
+    ulp = torch.finfo(dtype).eps * 2.0 ** torch.floor(torch.log2(want.abs().clamp(min=torch.finfo(dtype).tiny)))
+    size = x.double().abs() @ w.double().abs().t() + (b.double().abs() if b is not None else 0)
+    step = ulp if dtype != torch.float32 else 0
+    assert bool(((got.double() - want).abs() <= step + 2 * (K + 1) * 2.0 ** -24 * size).all())
+
+
+@pytest.mark.parametrize("group_size, K, rows", [(32, 96, 1), (64, 256, 3), (64, 192, 2), (128, 384, 9),
+                                                 (256, 512, 1)])
+def test_portable_int4_gemv_equals_float64(portable, group_size, K, rows):
+    torch.manual_seed(group_size + K + rows)
+    layer = Int4Linear.from_linear(nn.Linear(K, 70, bias=False), group_size)
+    x = torch.randn(rows, K) * torch.rand(K) * 4  # groups of different ranges
+    x[:, :group_size] = 0  # a group of zeros: dx = 0
+    got = portable.mt_gemv_portable.int4(x, layer.weight, layer.gemv_scale_low, group_size)
+    torch.testing.assert_close(got.double(), reference_in_float64(x, layer), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("context_lens, block_size, H, Hkv, D", [([1], 1, 4, 4, 8), ([7, 20, 3, 12], 4, 4, 2, 64),
+                                                                 ([16, 32, 17, 1, 48], 16, 6, 2, 19),
+                                                                 ([300, 45, 1], 16, 2, 1, 130)])
+def test_portable_paged_decode_equals_reference(portable, context_lens, block_size, H, Hkv, D):
+    q, k_cache, v_cache, meta, seqs = decode_setup(context_lens, block_size, H, Hkv, D)
+    q = q * 4  # a peaked softmax: the running max jumps, weights underflow
+    args = (meta.block_tables, meta.context_lens, block_size, 1 / math.sqrt(D))
+    out = portable.mt_paged_portable.decode(q, k_cache, v_cache, *args)
+    exact = paged_decode_attention(q.double(), k_cache.double(), v_cache.double(), *args)
+    assert (out - paged_decode_attention(q, k_cache, v_cache, *args)).abs().max() <= 4e-6
+    assert (out.double() - exact).abs().max() <= 4e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_portable_paged_decode_16_bit_within_one_rounding(portable, dtype):
+    q, k_cache, v_cache, meta, _ = decode_setup([40, 3, 17, 64, 1], 16, 6, 2, 64, dtype=dtype)
+    args = (meta.block_tables, meta.context_lens, 16, 1 / 8)
+    out = portable.mt_paged_portable.decode(q, k_cache, v_cache, *args)
+    exact = paged_decode_attention(q.double(), k_cache.double(), v_cache.double(), *args)
+    assert out.dtype == dtype and ((out.double() - exact).abs() <= torch.finfo(dtype).eps * exact.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("B, H, Hkv, Tk, D, mask_kind", [(1, 4, 4, 1, 8, None), (2, 6, 2, 200, 64, "prefix-bool"),
+                                                         (3, 3, 1, 130, 19, "random-add"),
+                                                         (2, 4, 2, 70, 16, "random-bool")])
+def test_portable_one_query_equals_float64(portable, B, H, Hkv, Tk, D, mask_kind):
+    q, k, v, mask, keep = one_query_setup(B, H, Hkv, Tk, D, mask_kind, B, seed=Tk)
+    out, lse = portable.mt_one_query_portable.attend(q, k, v, mask, D ** -0.5)
+    want, want_lse = exact_one_query(q, k, v, keep, D ** -0.5)
+    assert (out.double() - want).abs().max() <= 16 * torch.finfo(torch.float32).eps * v.abs().max()
+    assert (lse.double() - want_lse).abs().max() <= 1e-5 * (1 + want_lse.abs().max())

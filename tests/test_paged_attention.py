@@ -260,10 +260,10 @@ print("fallback")
 
 
 def test_without_the_cpp_kernel_the_engine_decodes_through_the_compiled_reference():
-    """MT_NATIVE_KERNELS=0 (as where no compiler is found): the CPU decode path is the reference, compiled,
-    or eager under enforce_eager."""
+    """MINI_TRANSFORMER_NATIVE_KERNELS=0 (as where no compiler is found): the CPU decode path is the reference,
+    compiled, or eager under enforce_eager."""
     src = str(Path(__file__).resolve().parents[1] / "src")
-    env = dict(os.environ, MT_NATIVE_KERNELS="0",
+    env = dict(os.environ, MINI_TRANSFORMER_NATIVE_KERNELS="0",
                PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-c", FALLBACK], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "fallback" in done.stdout, done.stderr[-2000:]

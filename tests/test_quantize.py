@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
 from mini_transformer.checkpoint import CheckpointError
 from mini_transformer.engine import EngineConfig
-from mini_transformer.model.gemv_kernels import int4_gemv_reference, kernel_available
+from mini_transformer.model.int4_gemv import int4_gemv_reference, kernel_available
 from mini_transformer.model.quantize import (
     Int4Linear,
     Int8Linear,

@@ -314,7 +314,7 @@ def test_one_query_kernel_equals_the_decomposition(dtype, monkeypatch):
 
 
 def test_without_the_kernel_the_compiled_step_runs_the_decomposition(monkeypatch):
-    """Where the C++ kernel is not built (MT_NATIVE_KERNELS=0, no compiler), the compiled step has no
+    """Where the C++ kernel is not built (MINI_TRANSFORMER_NATIVE_KERNELS=0, no compiler), the compiled step has no
     mt_one_query call and still gives eager's greedy tokens (a layout no other test compiles: d_model 36)."""
     from torch._inductor.utils import run_and_get_code
 

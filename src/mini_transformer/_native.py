@@ -1,8 +1,10 @@
-"""Small C++ kernels built on first use (torch.utils.cpp_extension.load_inline), shared by every module
-that has one (the int4 GEMV in model/, the paged decode attention in attention/, ...).
+"""Builds the C++ kernels of csrc/ on first use (torch.utils.cpp_extension.load) and loads their operators.
 
-Each kernel module keeps a pure-PyTorch reference beside its C++ source; `build` answers False where the
-C++ cannot be built (no compiler, not Linux, MT_NATIVE_KERNELS=0), and the caller then runs the reference.
+Each kernel module keeps a PyTorch reference beside its kernel; `build` answers False where the C++ cannot be
+built (no compiler, not a POSIX system, MINI_TRANSFORMER_NATIVE_KERNELS=0), and the caller runs the reference.
+The compiler's own macros pick each kernel's path (csrc/README.md): AVX-512 where the machine has it, else the
+portable C++ beside it. `build_portable` builds every kernel's portable path into one extension, for the tests
+and benchmarks/bench_kernels.py.
 """
 
 from __future__ import annotations
@@ -12,10 +14,15 @@ import os
 import platform
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-__all__ = ["build"]
+__all__ = ["CSRC", "ENABLE_VARIABLE", "KERNEL_SOURCES", "build", "build_portable"]
+
+CSRC = Path(__file__).parent / "csrc"
+ENABLE_VARIABLE = "MINI_TRANSFORMER_NATIVE_KERNELS"  # "0": every kernel module runs its PyTorch reference
+KERNEL_SOURCES = ("float_gemv.cpp", "int4_gemv.cpp", "paged_decode.cpp", "one_query.cpp")
 
 _built: dict[str, bool] = {}
 
@@ -25,7 +32,7 @@ def _build_name(prefix: str, source: str) -> str:
     built with -march=native and a shared cache directory might otherwise hand one machine's (or one
     version's) build to another. So is torch's directory: the build's command line names it (-isystem, -L),
     and ninja rebuilds when the command changes, so two virtual environments sharing the cache would
-    otherwise rebuild each other's kernel (~30 s on 2 cores) every time they took turns."""
+    otherwise rebuild each other's kernel every time they took turns."""
     flags = ""
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
@@ -34,26 +41,61 @@ def _build_name(prefix: str, source: str) -> str:
     return f"{prefix}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
-def build(prefix: str, source: str, what: str, fakes: dict[str, Callable] | None = None) -> bool:
-    """Build (first call in a process: ~30 s, then cached on disk) and load `source`, which registers its
-    operators with TORCH_LIBRARY; then register each operator's shape function from `fakes` ("lib::op" ->
-    fn), so torch.compile can trace a call without running it. False, with one warning naming `what`,
-    where it cannot be built; False without a warning where MT_NATIVE_KERNELS=0 asks for the references."""
-    if prefix in _built:
-        return _built[prefix]
-    ok = False
-    if os.environ.get("MT_NATIVE_KERNELS", "1") != "0" and platform.system() == "Linux":
-        try:
-            from torch.utils.cpp_extension import load_inline
+def _source_text(sources: list[Path], cflags: list[str]) -> str:
+    """What a build's name must follow besides the machine: every file of csrc/ it may include (the headers
+    too), byte for byte, the compiler flags, and csrc/'s directory (the build's command line names it, so
+    two checkouts sharing the cache would otherwise rebuild each other's kernels, as for torch's directory)."""
+    files = sorted({*sources, *CSRC.glob("*.h")})
+    return f"{CSRC} " + " ".join(cflags) + "".join(path.read_text() for path in files)
 
-            load_inline(_build_name(prefix, source), cpp_sources=[source], extra_cflags=["-O3", "-march=native"],
-                        is_python_module=False, verbose=False)
-            ok = True
-        except Exception as error:  # noqa: BLE001 - any build failure means: use the reference
-            warnings.warn(f"the {what} C++ kernel could not be built ({error}); using the PyTorch reference",
-                          stacklevel=3)
-    if ok:
-        for name, shape in (fakes or {}).items():
-            torch.library.register_fake(name)(shape)
-    _built[prefix] = ok
-    return ok
+
+def _cflags(portable: bool) -> list[str]:
+    """-O3 for this machine's instruction sets (clang on Apple silicon spells it -mcpu=native); `portable`
+    turns AVX-512 off on x86, so each kernel compiles its portable path, and names the ops *_portable."""
+    arch = "-mcpu=native" if platform.system() == "Darwin" and platform.machine() == "arm64" else "-march=native"
+    flags = ["-O3", arch]
+    if portable:
+        flags.append("-DMINI_TRANSFORMER_PORTABLE")
+        if platform.machine().lower() in ("x86_64", "amd64"):
+            flags.append("-mno-avx512f")  # every AVX-512 extension depends on it: all of them go
+    return flags
+
+
+def _load(prefix: str, files: tuple[str, ...], what: str, portable: bool) -> bool:
+    """Build (first call: tens of seconds, then cached on disk) and load `files` of csrc/; False, with one
+    warning naming `what`, where that fails; False without a warning where it is switched off."""
+    if os.environ.get(ENABLE_VARIABLE, "1") == "0" or os.name != "posix":
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        sources = [CSRC / name for name in files]
+        cflags = _cflags(portable)
+        load(_build_name(prefix, _source_text(sources, cflags)), sources=[str(path) for path in sources],
+             extra_cflags=cflags, extra_include_paths=[str(CSRC)], is_python_module=False, verbose=False)
+        return True
+    except Exception as error:  # noqa: BLE001 - any build failure means: use the reference
+        warnings.warn(f"the {what} C++ kernel could not be built ({error}); using the PyTorch reference",
+                      stacklevel=4)
+        return False
+
+
+def build(prefix: str, source: str, what: str, fakes: dict[str, Callable] | None = None) -> bool:
+    """Build and load csrc/`source`, which registers its operators with TORCH_LIBRARY; then register each
+    operator's shape function from `fakes` ("lib::op" -> fn), so torch.compile can trace a call without
+    running it. False where it cannot be built (the caller runs its reference)."""
+    if prefix not in _built:
+        _built[prefix] = _load(prefix, (source,), what, portable=False)
+        if _built[prefix]:
+            for name, shape in (fakes or {}).items():
+                torch.library.register_fake(name)(shape)
+    return _built[prefix]
+
+
+def build_portable() -> bool:
+    """Every kernel's portable path in one extension (AVX-512 off), its operators named mt_float_portable::gemv,
+    mt_gemv_portable::int4, mt_paged_portable::decode, mt_one_query_portable::attend: one compile, loadable
+    beside the ordinary build."""
+    if "portable" not in _built:
+        _built["portable"] = _load("mt_portable", KERNEL_SOURCES, "portable", portable=True)
+    return _built["portable"]

@@ -6,8 +6,8 @@
   transformer.py  MultiHeadAttention (fused QKV, GQA), TransformerBlock (+ make_norm, make_ffn), TransformerLM
   moe.py          Mixture of Experts: router, top-k, sorted dropless dispatch, load-balancing loss
   quantize.py     int8 / int4 weight-only linears (stage 7, docs 08): a quantized model is still this model
-  gemv_kernels.py the int4 GEMV of a decode step (C++ VNNI, activations rounded to int8) + its reference
-  float_gemv.py   the fp32 / bf16 / fp16 GEMV of a CPU decode step (C++ AVX-512, fp32 sums) + its reference
+  int4_gemv.py    the int4 GEMV of a decode step (C++ in csrc/, activations rounded to int8) + its reference
+  float_gemv.py   the fp32 / bf16 / fp16 GEMV of a CPU decode step (C++ in csrc/, fp32 sums) + its reference
 
 Attention itself lives one floor down (attention/), checkpoint files beside it (checkpoint/).
 """

@@ -1,7 +1,7 @@
 """Weight-only quantization: int8 per output channel, int4 per group; activations stay in float.
 
 Decoding one token reads every weight once and does little arithmetic with each, so its speed is set by
-how many bytes the weights take. Storing them in 8 or 4 bits reads 4x or 8x fewer bytes than fp32:
+how many bytes the weights take. Storing them in 8 or 4 bits reads a quarter or an eighth of fp32's bytes:
 
   int8  w[n, k] ~ s[n] * q[n, k],            q in [-127, 127], s[n] = max_k |w[n, k]| / 127  (symmetric)
   int4  w[n, k] ~ s[n, g] * q[n, k] + m[n, g], q in [0, 15], per group g of `group_size` inputs:
@@ -19,12 +19,11 @@ How the matmul reads the small weights:
     dimension, which inductor fuses into ONE reduction kernel that reads the int8 bytes directly;
     otherwise (eager, prefill) dequantize, then F.linear;
   * int4, every row alike: the activations rounded to int8 per group and integer dot products with the
-    packed codes (gemv_kernels.py: a C++ AVX512-VNNI kernel, or its PyTorch reference) - never a
+    packed codes (int4_gemv.py: a C++ kernel, AVX512-VNNI or portable, or its PyTorch reference) - never a
     dequantized weight in memory, and the same numbers eager, compiled, alone or in any batch;
   * `packed_kernels=True`: PyTorch's packed kernels (`aten._weight_int8pack_mm`, on the CPU
-    `aten._weight_int4pack_mm_for_cpu`). They run on this project's CPU build but at batch 1 measured
-    13-50x slower than the fp32 matmul (int8) and ~170x slower than our int4 kernel (docs/08), so they
-    are opt-in.
+    `aten._weight_int4pack_mm_for_cpu`). They run on this project's CPU build but at batch 1 are far
+    slower than the fp32 matmul and than our int4 kernel (docs/08 §3), so they are opt-in.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._checks import choice, integer
-from .gemv_kernels import int4_gemv_reference, kernel_available, kernel_groups_ok
+from .int4_gemv import int4_gemv_reference, kernel_available, kernel_groups_ok
 
 MODES = ("int8", "int4")
 FUSED_MAX_ROWS = 8  # a compiled step with at most this many rows (batch x tokens) uses the fused reduction
@@ -138,7 +137,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
         self.register_buffer("kernel_weight", None, persistent=False)
         self.register_buffer("kernel_scales_and_zeros", None, persistent=False)
-        # (N, G, 2): each group's scale and minimum side by side, for the int4 x int8 GEMV (gemv_kernels.py:
+        # (N, G, 2): each group's scale and minimum side by side, for the int4 x int8 GEMV (int4_gemv.py:
         # a row's bytes in one stream); rebuilt by repack(), not saved
         self.register_buffer("gemv_scale_low", None, persistent=False)
         self.gemv_kernel = False  # a plain attribute (a compiled step sees a constant): the C++ kernel built
@@ -195,7 +194,7 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """(M, K) float32 -> (M, N): gemv_kernels.py's arithmetic, by the C++ kernel where it built."""
+        """(M, K) float32 -> (M, N): int4_gemv.py's arithmetic, by the C++ kernel where it built."""
         scale_low = self.gemv_scale_low.float()  # a no-op unless the model was cast after quantize()
         if self.gemv_kernel and x.device.type == "cpu":
             return torch.ops.mt_gemv.int4(x, self.weight, scale_low, self.group_size)

@@ -1,0 +1,85 @@
+// The AVX-512 path of attention_tile.h: 16 fp32 lanes per instruction, 16-bit keys and values widened as they
+// load. Included only where the compiler has AVX-512 F.
+#pragma once
+#include <ATen/ATen.h>
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace {
+
+// 16 pool elements widened to 16 fp32 lanes
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {  // bf16 is the top half of an fp32
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+// e^x in 16 lanes: e^x = 2^k e^r with k = round(x / ln 2) and r = x - k ln 2 (|r| <= ln 2 / 2, ln 2 in two
+// parts so r is exact); e^r by its Taylor series to degree 7 (error below fp32's), 2^k by scalef.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 is 0 in fp32 already
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);  // Horner: 1 + r + r^2/2! + ... + r^7/7!
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, k);
+}
+
+// q . k over D, q already fp32: 16 lanes, then the tail one value at a time
+template <typename T>
+static inline float dot_avx512(const float* q, const T* k, int64_t D) {
+  int64_t d = 0;
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
+  float sum = _mm512_reduce_add_ps(acc);
+  for (; d < D; ++d) sum += q[d] * static_cast<float>(k[d]);
+  return sum;
+}
+
+// acc (D) += sum_t p[t] * v_t over n rows, v_t = v_base + rows[t] + offset. 64 floats of acc at a time stay in
+// registers for all n rows (written back once, not once per row: a store-then-load of acc per row would be the
+// loop's critical path).
+template <typename T>
+static inline void weighted_sum_avx512(float* acc, const float* p, const T* v_base, const int64_t* rows,
+                                       int64_t offset, int64_t n, int64_t D) {
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) {
+    __m512 a0 = _mm512_loadu_ps(acc + d), a1 = _mm512_loadu_ps(acc + d + 16), a2 = _mm512_loadu_ps(acc + d + 32),
+           a3 = _mm512_loadu_ps(acc + d + 48);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* v = v_base + rows[t] + offset + d;
+      const __m512 pp = _mm512_set1_ps(p[t]);
+      a0 = _mm512_fmadd_ps(pp, load16(v), a0);
+      a1 = _mm512_fmadd_ps(pp, load16(v + 16), a1);
+      a2 = _mm512_fmadd_ps(pp, load16(v + 32), a2);
+      a3 = _mm512_fmadd_ps(pp, load16(v + 48), a3);
+    }
+    _mm512_storeu_ps(acc + d, a0), _mm512_storeu_ps(acc + d + 16, a1);
+    _mm512_storeu_ps(acc + d + 32, a2), _mm512_storeu_ps(acc + d + 48, a3);
+  }
+  for (; d + 16 <= D; d += 16) {
+    __m512 a = _mm512_loadu_ps(acc + d);
+    for (int64_t t = 0; t < n; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), load16(v_base + rows[t] + offset + d), a);
+    _mm512_storeu_ps(acc + d, a);
+  }
+  for (; d < D; ++d)
+    for (int64_t t = 0; t < n; ++t) acc[d] += p[t] * static_cast<float>(v_base[rows[t] + offset + d]);
+}
+
+// x (n,) -> exp(x - max), 16 scores at a time, the lanes past n masked off; returns their sum
+static inline float exp_and_sum_avx512(float* x, int64_t n, float max) {
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 live = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+    const __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, x + t), _mm512_set1_ps(max)));
+    _mm512_mask_storeu_ps(x + t, live, p);
+    sum += _mm512_mask_reduce_add_ps(live, p);
+  }
+  return sum;
+}
+
+}  // namespace

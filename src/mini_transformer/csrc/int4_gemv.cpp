@@ -1,0 +1,141 @@
+// mt_gemv::int4: y (M, N) = x (M, K) times int4 weights (N, K/2 packed bytes, per-group scale and minimum),
+// ggml's Q4_0 x Q8_0 idea: each activation row rounded to int8 per group, integer dot products with the 4-bit
+// codes, one float multiply-add per group. Reference: model/int4_gemv.py::int4_gemv_reference (the arithmetic
+// written out there). Byte j of a weight row holds inputs 2j (low nibble) and 2j+1 (high), so the activations
+// are reordered instead (evens, then odds) and each packed byte is used where it lands.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "ops.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "int4_gemv_avx512.h"
+#define INT4_GEMV_VNNI 1
+#endif
+
+namespace {
+
+// One activation row, quantized per group: dx (G,) the group scales, xsum (G,) each group's float sum,
+// xq (K,) the int8 codes in the order the dot products read them. The generic loop reads `unit` (64 or 32)
+// inputs at a time, packed as bytes of (even, odd) input pairs: so within a unit the codes go evens, then odds.
+static void quantize_row_generic(const float* x, int64_t K, int64_t group, int64_t unit, int8_t* xq, float* dx,
+                                 float* xsum) {
+  for (int64_t g = 0; g < K / group; ++g) {
+    float amax = 0.f, s = 0.f;
+    for (int64_t k = g * group; k < (g + 1) * group; ++k) { amax = std::max(amax, std::fabs(x[k])); s += x[k]; }
+    dx[g] = amax / 127.f;
+    xsum[g] = s;
+  }
+  for (int64_t u = 0; u < K; u += unit) {
+    const float d = dx[u / group];  // a unit lies inside one group
+    for (int64_t j = 0; j < unit / 2; ++j) {
+      xq[u + j] = d == 0.f ? 0 : (int8_t)std::nearbyint(x[u + 2 * j] / d);
+      xq[u + unit / 2 + j] = d == 0.f ? 0 : (int8_t)std::nearbyint(x[u + 2 * j + 1] / d);
+    }
+  }
+}
+
+// Any group size: one weight row, plain loops (units of `chunk` inputs); the integer sums are exact in any
+// order, so the compiler may vectorise them freely. sl (G, 2): each group's scale, low.
+static float row_dot_generic(const uint8_t* w, const float* sl, const int8_t* xq, const float* dx,
+                             const float* xsum, int64_t G, int64_t group, int64_t chunk) {
+  float y = 0.f;
+  for (int64_t g = 0; g < G; ++g) {
+    int32_t dot = 0;
+    for (int64_t c = g * group; c < (g + 1) * group; c += chunk)
+      for (int64_t j = 0; j < chunk / 2; ++j)
+        dot += (int32_t)(w[c / 2 + j] & 15) * xq[c + j] + (int32_t)(w[c / 2 + j] >> 4) * xq[c + chunk / 2 + j];
+    y += sl[2 * g] * dx[g] * (float)dot + sl[2 * g + 1] * xsum[g];
+  }
+  return y;
+}
+
+// The activations of one call, quantized once for every weight row: xq (M, K) codes, dx and xsum (M, G); for
+// the VNNI loop also dxv and xsv (M, K/8), dx spread over the lanes and the group sums where its FMA reads them.
+struct Activations {
+  std::vector<int8_t> xq;
+  std::vector<float> dx, xsum, dxv, xsv;
+};
+
+static Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t group, bool vnni) {
+  const int64_t G = K / group, chunk = group % 64 == 0 ? 64 : 32;
+  Activations a{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G),
+                std::vector<float>(vnni ? M * K / 8 : 0), std::vector<float>(vnni ? M * K / 8 : 0)};
+  for (int64_t m = 0; m < M; ++m) {
+#ifdef INT4_GEMV_VNNI
+    if (vnni) {
+      quantize_row_vnni(x + m * K, K, group, a.xq.data() + m * K, a.dx.data() + m * G, a.xsum.data() + m * G);
+      for (int64_t k = 0; k < K; k += 64) {
+        const int64_t g = m * G + k / group, half = (k / 64) % 2;  // 64 inputs: the first or second of their 128
+        for (int64_t i = 0; i < 8; ++i) a.dxv[m * K / 8 + k / 8 + i] = a.dx[g];
+        a.xsv[m * K / 8 + (k - 64 * half) / 8 + 2 * half + 1] = group == 64 ? a.xsum[g] : 0.f;
+      }
+      continue;
+    }
+#endif
+    quantize_row_generic(x + m * K, K, group, chunk, a.xq.data() + m * K, a.dx.data() + m * G,
+                         a.xsum.data() + m * G);
+  }
+  return a;
+}
+
+// x (M, K) float32, packed (N, K/2) uint8, scale_low (N, G, 2) float32 -> y (M, N) float32
+at::Tensor int4_gemv(at::Tensor x, at::Tensor packed, at::Tensor scale_low, int64_t group) {
+  TORCH_CHECK(x.dtype() == at::kFloat && packed.dtype() == at::kByte && scale_low.dtype() == at::kFloat,
+              "mt_gemv::int4: float32 x, uint8 packed, float32 scale_low");
+  x = x.contiguous(), packed = packed.contiguous(), scale_low = scale_low.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), G = K / group;
+  const int64_t chunk = group % 64 == 0 ? 64 : 32;
+#ifdef INT4_GEMV_VNNI
+  const bool vnni = group % 64 == 0 && K % 128 == 0;
+#else
+  const bool vnni = false;
+#endif
+  const Activations a = quantize_activations(x.data_ptr<float>(), M, K, group, vnni);
+  auto y = at::empty({M, N}, x.options());
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* sl = scale_low.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        const int8_t* xm = a.xq.data() + m * K;
+        const float *dm = a.dx.data() + m * G, *sm = a.xsum.data() + m * G;
+#ifdef INT4_GEMV_VNNI
+        if (vnni) {
+          out[m * N + n] = row_dot_vnni(w + n * K / 2, sl + n * 2 * G, xm, dm, a.dxv.data() + m * K / 8,
+                                        a.xsv.data() + m * K / 8, sm, K, G, group);
+          continue;
+        }
+#endif
+        out[m * N + n] = row_dot_generic(w + n * K / 2, sl + n * 2 * G, xm, dm, sm, G, group, chunk);
+      }
+  });
+  return y;
+}
+
+bool int4_gemv_vectorized() {  // whether this build has the VNNI path (else every call runs the generic loop)
+#ifdef INT4_GEMV_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+DEFINE_OPS(LIBRARY_NAME(mt_gemv), m) {
+  m.def("int4(Tensor x, Tensor packed, Tensor scale_low, int group_size) -> Tensor");
+  m.def("vectorized() -> bool");
+}
+IMPLEMENT_OPS(LIBRARY_NAME(mt_gemv), CPU, m) {
+  m.impl("int4", &int4_gemv);
+}
+IMPLEMENT_OPS(LIBRARY_NAME(mt_gemv), CompositeExplicitAutograd, m) {
+  m.impl("vectorized", &int4_gemv_vectorized);
+}
