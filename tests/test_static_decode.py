@@ -48,13 +48,13 @@ def test_static_cache_logits_equal_kv_cache(pads, prompt_len, n_steps, spare, po
     static = StaticCache.for_model(model.config, B, max_len, dtype=torch.float64)
     dynamic = KVCache.for_model(model.config, B, max_len, dtype=torch.float64)
     with torch.no_grad():
-        got, _ = model(idx, attention_mask=mask, cache=static, check=False)
+        got = model.logits(idx, attention_mask=mask, cache=static)
         want, _ = model(idx, attention_mask=mask, cache=dynamic)
         real = mask.bool()
         torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-12)
         for _ in range(n_steps):
             token = torch.randint(0, VOCAB, (B, 1))
-            got, _ = model(token, cache=static, check=False)
+            got = model.logits(token, cache=static)
             want, _ = model(token, cache=dynamic)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     assert static.input_pos.tolist() == [prompt_len + n_steps]
@@ -68,7 +68,7 @@ def test_single_token_prompt_goes_through_the_static_step():
     dynamic = KVCache.for_model(model.config, 2, 6, dtype=torch.float64)
     with torch.no_grad():
         for _ in range(4):
-            got, _ = model(idx, cache=static, check=False)
+            got = model.logits(idx, cache=static)
             want, _ = model(idx, cache=dynamic)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
@@ -79,9 +79,9 @@ def test_reset_reuses_the_slabs():
     cache = StaticCache.for_model(model.config, 2, 8, dtype=torch.float64)
     k_storage = cache.k[0].data_ptr()
     with torch.no_grad():
-        first, _ = model(idx, attention_mask=mask, cache=cache, check=False)
+        first = model.logits(idx, attention_mask=mask, cache=cache)
         cache.reset()
-        again, _ = model(idx, attention_mask=mask, cache=cache, check=False)
+        again = model.logits(idx, attention_mask=mask, cache=cache)
     torch.testing.assert_close(first, again, rtol=0, atol=0)
     assert cache.k[0].data_ptr() == k_storage
 
@@ -254,12 +254,12 @@ def test_compiled_bf16_decode_runs_reductions_and_matches_float64():
     cache = StaticCache.for_model(cfg, 1, 64, dtype=torch.bfloat16)
     ref_cache = KVCache.for_model(cfg, 1, 64, dtype=torch.float64)
     with torch.inference_mode():
-        model(idx, cache=cache, check=False)
-        exact(idx, cache=ref_cache, check=False)
+        model.logits(idx, cache=cache)
+        exact.logits(idx, cache=ref_cache)
         step = compiled_decode_step("cpu")
         for token in got[0, :8]:
             logits = step(model, token[None], cache)
-            want = exact(token[None, None], cache=ref_cache, check=False)[0][:, -1]
+            want = exact.logits(token[None, None], cache=ref_cache)[:, -1]
             torch.testing.assert_close(logits.double(), want, rtol=0.05, atol=0.05 * float(want.abs().max()))
 
 
