@@ -46,8 +46,8 @@ class StaticCache(SlabCache):
                          d_head=d_head)
         shape = (batch_size, n_kv_heads, max_len, d_head)
         # One tensor per layer, not one (n_layer, ...) tensor sliced by layer: inductor writes a token in
-        # place into a tensor the graph receives, but a write into a VIEW of one (k[layer]) it turned into
-        # a copy of the whole slab every step (measured: the step slowed as max_len grew).
+        # place into a tensor the graph receives, but turns a write into a VIEW of one (k[layer]) into a
+        # copy of the whole slab every step, a step that slows as max_len grows.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         # True = the slot may hold a real token. Only prompt padding is ever False, so together with
