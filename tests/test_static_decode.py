@@ -6,6 +6,7 @@ The compiling tests share one shape (B=2, prompt 5, 200 new tokens, tiny model) 
 pays for one compilation (tens of seconds on 2 busy cores)."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -365,7 +366,7 @@ def test_cpu_decode_backend_settings_stay_inside_its_compile():
 
 
 def test_sample_cli_compile_flag_reaches_generate(tmp_path, capsys, monkeypatch):
-    """`sample --compile` asks generate for compile=True (the compiled path itself is tested above)."""
+    """`sample --compile` asks the decode loop for compile=True (the compiled path itself is tested above)."""
     import importlib
 
     from mini_transformer.cli import main
@@ -377,13 +378,13 @@ def test_sample_cli_compile_flag_reaches_generate(tmp_path, capsys, monkeypatch)
     tokenizer.save(tmp_path)
     generate_module = importlib.import_module("mini_transformer.inference.generate")  # the module, not the function
     seen = []
-    real_generate = generate_module.generate
+    real_decode = generate_module.decode
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs["compile"])
-        return real_generate(*args, **{**kwargs, "compile": False})
+    def spy(model, idx, params, options):
+        seen.append(options.compile)
+        return real_decode(model, idx, params, dataclasses.replace(options, compile=False))
 
-    monkeypatch.setattr(generate_module, "generate", spy)
+    monkeypatch.setattr(generate_module, "decode", spy)
     assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "abc", "--max-new-tokens", "5",
                  "--compile"]) == 0
     assert seen == [True]
