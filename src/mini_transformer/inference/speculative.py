@@ -154,6 +154,16 @@ def _check_speculative_args(target, idx, params, draft_model, k) -> None:
                          f"{draft_model.config.max_seq_len}")
 
 
+def _draft(drafter: _ModelDrafter | None, tokens: list[int], k: int, params: SamplingParams, generator,
+           vocab_size: int, device) -> tuple[list[int], torch.Tensor]:
+    """k drafted ids (fewer when prompt lookup finds fewer) and the drafter's q (k, V)."""
+    if drafter is not None and k > 0:
+        return drafter.propose(k, params, generator)
+    drafts = lookup_drafts(tokens, k) if k > 0 else []
+    ids = torch.tensor(drafts, dtype=torch.long, device=device)
+    return drafts, torch.nn.functional.one_hot(ids, vocab_size).float()  # (k, V): a sure guess
+
+
 @torch.inference_mode()
 def speculative_generate(
     target: TransformerLM,
@@ -188,12 +198,7 @@ def speculative_generate(
         new: list[int] = []
         while len(new) < n_new and not (stops and new and new[-1] in stops):
             k = min(num_speculative_tokens, n_new - len(new) - 1)  # never run past max_tokens
-            if drafter is not None and k > 0:
-                drafts, q = drafter.propose(k, params, generator)
-            else:
-                drafts = lookup_drafts(tokens, k) if k > 0 else []
-                q = torch.nn.functional.one_hot(torch.tensor(drafts, dtype=torch.long, device=device),
-                                                target.config.vocab_size).float()  # (k, V): a sure guess
+            drafts, q = _draft(drafter, tokens, k, params, generator, target.config.vocab_size, device)
             verify = torch.tensor([[tokens[-1], *drafts]], device=device)  # (1, k + 1)
             p = token_probs(target.logits(verify, cache=cache)[0], params)  # (k + 1, V)
             n_accepted, next_token = accept_drafts(p, q, drafts, generator)
