@@ -7,8 +7,10 @@ Prompts of different lengths share a batch by LEFT padding (`attention_mask` 0 =
 last prompt token then sits in the last column, so one decode step serves all rows. The model gives a
 left-padded row positions 0, 1, ... from its first real token, so padding never changes its tokens.
 
-`use_cache=False` is the naive loop: every step runs the whole sequence again, O(T^2) work per token
-instead of O(T). It exists to check the cache and to measure what it buys.
+One loop serves every mode: a decoder (decoders.py) answers `prefill(idx, mask)` and `step(token)`, the
+loop samples between them. `use_cache=False` picks the naive decoder: every step runs the whole sequence
+again, O(T^2) work per token instead of O(T); it exists to check the cache and to measure what it buys.
+`compile=True` picks static_cache.CompiledDecoder; `draft_model` hands the call to speculative.py.
 
 This is one static batch (the learner's version); `engine/` serves many requests that come and go.
 """
