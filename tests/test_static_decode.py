@@ -330,6 +330,18 @@ def test_without_the_kernel_the_compiled_step_runs_the_decomposition(monkeypatch
     assert torch.equal(got, generate(model, idx, 20))
 
 
+def test_decode_decompositions_pickle_by_name():
+    """The table enters inductor's FX-graph cache key pickled: as a call of decode_decompositions (a few
+    bytes naming it), where inductor's own entries would not pickle, and it loads back as the same table."""
+    import pickle
+
+    table = cpu_decode.decode_decompositions()
+    data = pickle.dumps(table)
+    assert b"decode_decompositions" in data and len(data) < 200
+    assert pickle.loads(data).keys() == table.keys()
+    assert table[torch.ops.aten.mm.default] is _one_row_mm
+
+
 def test_cpu_decode_backend_settings_stay_inside_its_compile():
     """The backend's options (AOT cache off, the int8 stored-input threshold, the one-row
     decompositions) belong to the decode step's compile alone: after an int8 compiled decode, inductor's
