@@ -131,8 +131,9 @@ def generate(
     turns on speculative decoding, `num_speculative_tokens` drafted per target pass (speculative.py).
     """
     params = as_sampling_params(params, sampling)
-    options = DecodeOptions(attention_mask, eos_token_id, use_cache, generator, stream, compile, draft_model,
-                            num_speculative_tokens)
+    options = DecodeOptions(attention_mask=attention_mask, eos_token_id=eos_token_id, use_cache=use_cache,
+                            generator=generator, stream=stream, compile=compile, draft_model=draft_model,
+                            num_speculative_tokens=num_speculative_tokens)
     _check_generate_args(model, idx, params, options)
     return decode(model, idx, params, options)
 
@@ -232,8 +233,8 @@ def generate_long(
     integer("keep_tokens", keep_tokens, low=1, high=context - 1, expected=f"an integer in [1, max_seq_len={context})")
     if generator is None:  # one generator for every chunk, so a seed does not repeat its draws
         generator = params.make_generator(idx.device)
-    options = DecodeOptions(None, eos_token_id, use_cache, generator, stream, compile, draft_model,
-                            num_speculative_tokens)
+    options = DecodeOptions(eos_token_id=eos_token_id, use_cache=use_cache, generator=generator, stream=stream,
+                            compile=compile, draft_model=draft_model, num_speculative_tokens=num_speculative_tokens)
     stops = torch.tensor(params.stops(eos_token_id), dtype=torch.long, device=idx.device)  # (S,)
     finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)  # (B,) rows that have stopped
     window = idx[:, -context + 1:] if idx.shape[1] >= context else idx  # at least one slot left to generate
