@@ -59,7 +59,7 @@ def bare_forwards(model_dir: Path, names: list[str]) -> dict:
     from mini_transformer.model.transformer import TransformerLM
 
     ours = TransformerLM.from_pretrained(model_dir).eval()
-    models = {"ours": lambda x: ours(x, logits_at=torch.tensor([x.shape[1] - 1]), check=False)}
+    models = {"ours": lambda x: ours.logits(x, logits_at=torch.tensor([x.shape[1] - 1]))}
     if "hf" in names:
         hf = LlamaForCausalLM.from_pretrained(model_dir).eval()
         models["hf"] = lambda x: hf(x, logits_to_keep=1, use_cache=False)

@@ -183,7 +183,7 @@ def run_perplexity(steps: int, data: str | None) -> None:
         cache = StaticCache.for_model(model.config, 8, 64, dtype=model.tok_emb.weight.dtype)
         step, nll = compiled_decode_step("cpu"), []
         with torch.inference_mode():
-            logits = model(prompt, cache=cache, check=False)[0][:, -1]
+            logits = model.logits(prompt, cache=cache)[:, -1]
             for t in range(56):
                 nll.append(F.cross_entropy(logits.float(), targets[:, t]))
                 logits = step(model, targets[:, t], cache)

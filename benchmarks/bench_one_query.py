@@ -88,7 +88,7 @@ def decode_decomposition(model, token, cache):
 
 def greedy_run(step, model, prompt, new_tokens: int) -> None:
     cache = StaticCache.for_model(model, 1, SLAB, dtype=next(model.parameters()).dtype)
-    logits = model(prompt, cache=cache, check=False)[0][:, -1]  # eager prefill
+    logits = model.logits(prompt, cache=cache)[:, -1]  # eager prefill
     token = logits.argmax(-1)
     for _ in range(new_tokens - 1):
         token = step(model, token, cache).argmax(-1)
@@ -101,7 +101,7 @@ def run_steps(model: TransformerLM, new_tokens: int, repeats: int) -> tuple[list
     prompt = torch.randint(3, LLAMA_124M["vocab_size"], (1, 64))
     cache = StaticCache.for_model(model, 1, SLAB, dtype=next(model.parameters()).dtype)
     with torch.inference_mode():
-        model(prompt, cache=cache, check=False)
+        model.logits(prompt, cache=cache)
     token = prompt[:, -1]
     steps = {"kernel": compile_step(decode_kernel, True, model, token, cache),
              "decomposition": compile_step(decode_decomposition, False, model, token, cache)}

@@ -56,8 +56,8 @@ class KVCache:
 def decode_step(model, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """token (B,) one new token per row -> its logits (B, V), extending the cache by one slot.
 
-    Call the model on a (B, 1) input with cache=cache (pass check=False: the model's door accepts only
-    its own KVCache class) and keep the last position's logits.
+    Call `model.logits` (the model without the checks of its door, which accepts only its own KVCache
+    class) on a (B, 1) input with cache=cache and keep the last position's logits.
     """
     # TODO 6
     raise NotImplementedError("TODO: exercise 4, decode_step")

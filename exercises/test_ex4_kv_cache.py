@@ -60,7 +60,7 @@ def check_decode(solution, model, prompt, mask=None, steps=4):
     B = prompt.shape[0]
     cache = new_cache(solution, model, B)
     with torch.no_grad():
-        logits, _ = model(prompt, attention_mask=mask, cache=cache, check=False)
+        logits = model.logits(prompt, attention_mask=mask, cache=cache)
         seq, full_mask = prompt, mask
         token = logits[:, -1].argmax(-1)
         for step in range(steps):

@@ -141,12 +141,12 @@ def test_compiled_bf16_decode_runs_the_kernel_close_to_eager(batch, bias):
     compiled = StaticCache.for_model(model.config, batch, 64, dtype=torch.bfloat16)
     eager = KVCache.for_model(model.config, batch, 64, dtype=torch.bfloat16)
     with torch.inference_mode():
-        model(idx, cache=compiled, check=False)
-        model(idx, cache=eager, check=False)
+        model.logits(idx, cache=compiled)
+        model.logits(idx, cache=eager)
         step = compiled_decode_step("cpu")
         for token in want.T:  # (batch,) the eager tokens, fed to both
             logits = step(model, token, compiled).float()  # (batch, V)
-            reference = model(token[:, None], cache=eager, check=False)[0][:, -1].float()
+            reference = model.logits(token[:, None], cache=eager)[:, -1].float()
             assert (logits - reference).abs().max() <= TOLERANCE * reference.abs().max()
         for row in range(batch):
             d = next((i for i in range(n) if got[row, i] != want[row, i]), n)

@@ -15,9 +15,11 @@ def small_model(pos_emb="learned", n_kv_heads=None, backend="naive", max_seq_len
 
 
 class ForwardCounter:
+    """Counts the model's forward passes: each ends in one call of the head."""
+
     def __init__(self, model):
         self.calls = 0
-        model.register_forward_hook(self._hook)
+        model.lm_head.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
         self.calls += 1
@@ -239,7 +241,7 @@ def test_generate_long_rejects_bad_arguments():
                                                                      repetition_penalty=1.2)])
 def test_decode_steps_never_wait_for_the_gpu(params):
     """The decode loop's pieces (sample, one cached step) never read a device value back to the host."""
-    from mini_transformer.inference.generate import decode_step, prefill
+    from mini_transformer.inference.decoders import decode_step, prefill
     from mini_transformer.inference.kv_cache import KVCache
     from mini_transformer.inference.sampling import sample_next
 
@@ -275,28 +277,23 @@ def test_generate_long_keeps_a_stopped_row_stopped_in_later_chunks():
     assert out[1].tolist() == row1_alone
 
 
-def test_graph_step_calls_the_compiled_graph_without_dynamo_and_gives_its_logits():
-    """generate(compile=True) calls the compiled graph directly from its second step (GraphStep): on CPU it
-    finds the token among the graph's recorded inputs, and its logits equal the dynamo-called step's, step
-    after step, on a second cache fed the same tokens (one graph, so bit for bit)."""
-    import importlib
+@pytest.mark.parametrize("compiled", [False, True])
+def test_each_decoder_gives_the_recompute_decoder_s_logits(compiled):
+    """The decoders behind generate's one loop answer prefill / step alike: a cached one (eager KVCache, or
+    the compiled StaticCache step) gives the no-cache reference's logits, step after step, padding included."""
+    from mini_transformer.inference.decoders import CachedDecoder, RecomputeDecoder
+    from mini_transformer.inference.static_cache import CompiledDecoder
 
-    from mini_transformer.inference.static_cache import compiled_decode_step, decode_cache
-
-    GraphStep = importlib.import_module("mini_transformer.inference.generate").GraphStep
     torch.manual_seed(0)
     model = small_model("rope", n_kv_heads=2, backend="sdpa").eval()
-    idx = torch.randint(0, VOCAB, (2, 5))
+    idx, mask = padded_prompts([0, 2], prompt_len=5, vocab=VOCAB, pad_id=0)
+    cached = (CompiledDecoder if compiled else CachedDecoder)(model, 2, 5 + 6, torch.device("cpu"))
+    reference = RecomputeDecoder(model)
     with torch.inference_mode():
-        caches = [decode_cache(model, 2, 40, dtype=torch.float32, device="cpu") for _ in range(2)]
-        token = [model(idx, cache=c, check=False)[0][:, -1] for c in caches][0].argmax(-1)  # (B,)
-        step = compiled_decode_step("cpu")
-        direct = GraphStep(step, model, token, caches[0])
-        assert direct.graph is not None, "the CPU backend's recording found no usable graph call"
-        want = step(model, token, caches[1])
-        assert torch.equal(direct.first_logits, want)
+        got, want = cached.prefill(idx, mask), reference.prefill(idx, mask)
         for _ in range(6):
-            token = want.argmax(-1)
-            got, want = direct(model, token, caches[0]), step(model, token, caches[1])
-            assert torch.equal(got, want)
-        assert not torch.equal(got, direct.first_logits)  # the cache moved on: not one stale answer
+            assert got.shape == want.shape == (2, VOCAB)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            token = want.argmax(-1)  # (B,)
+            got, want = cached.step(token), reference.step(token)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -6,6 +6,7 @@ The compiling tests share one shape (B=2, prompt 5, 200 new tokens, tiny model) 
 pays for one compilation (tens of seconds on 2 busy cores)."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -48,13 +49,13 @@ def test_static_cache_logits_equal_kv_cache(pads, prompt_len, n_steps, spare, po
     static = StaticCache.for_model(model.config, B, max_len, dtype=torch.float64)
     dynamic = KVCache.for_model(model.config, B, max_len, dtype=torch.float64)
     with torch.no_grad():
-        got, _ = model(idx, attention_mask=mask, cache=static, check=False)
+        got = model.logits(idx, attention_mask=mask, cache=static)
         want, _ = model(idx, attention_mask=mask, cache=dynamic)
         real = mask.bool()
         torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-12)
         for _ in range(n_steps):
             token = torch.randint(0, VOCAB, (B, 1))
-            got, _ = model(token, cache=static, check=False)
+            got = model.logits(token, cache=static)
             want, _ = model(token, cache=dynamic)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     assert static.input_pos.tolist() == [prompt_len + n_steps]
@@ -68,7 +69,7 @@ def test_single_token_prompt_goes_through_the_static_step():
     dynamic = KVCache.for_model(model.config, 2, 6, dtype=torch.float64)
     with torch.no_grad():
         for _ in range(4):
-            got, _ = model(idx, cache=static, check=False)
+            got = model.logits(idx, cache=static)
             want, _ = model(idx, cache=dynamic)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
@@ -79,9 +80,9 @@ def test_reset_reuses_the_slabs():
     cache = StaticCache.for_model(model.config, 2, 8, dtype=torch.float64)
     k_storage = cache.k[0].data_ptr()
     with torch.no_grad():
-        first, _ = model(idx, attention_mask=mask, cache=cache, check=False)
+        first = model.logits(idx, attention_mask=mask, cache=cache)
         cache.reset()
-        again, _ = model(idx, attention_mask=mask, cache=cache, check=False)
+        again = model.logits(idx, attention_mask=mask, cache=cache)
     torch.testing.assert_close(first, again, rtol=0, atol=0)
     assert cache.k[0].data_ptr() == k_storage
 
@@ -254,12 +255,12 @@ def test_compiled_bf16_decode_runs_reductions_and_matches_float64():
     cache = StaticCache.for_model(cfg, 1, 64, dtype=torch.bfloat16)
     ref_cache = KVCache.for_model(cfg, 1, 64, dtype=torch.float64)
     with torch.inference_mode():
-        model(idx, cache=cache, check=False)
-        exact(idx, cache=ref_cache, check=False)
+        model.logits(idx, cache=cache)
+        exact.logits(idx, cache=ref_cache)
         step = compiled_decode_step("cpu")
         for token in got[0, :8]:
             logits = step(model, token[None], cache)
-            want = exact(token[None, None], cache=ref_cache, check=False)[0][:, -1]
+            want = exact.logits(token[None, None], cache=ref_cache)[:, -1]
             torch.testing.assert_close(logits.double(), want, rtol=0.05, atol=0.05 * float(want.abs().max()))
 
 
@@ -329,6 +330,18 @@ def test_without_the_kernel_the_compiled_step_runs_the_decomposition(monkeypatch
     assert torch.equal(got, generate(model, idx, 20))
 
 
+def test_decode_decompositions_pickle_by_name():
+    """The table enters inductor's FX-graph cache key pickled: as a call of decode_decompositions (a few
+    bytes naming it), where inductor's own entries would not pickle, and it loads back as the same table."""
+    import pickle
+
+    table = cpu_decode.decode_decompositions()
+    data = pickle.dumps(table)
+    assert b"decode_decompositions" in data and len(data) < 200
+    assert pickle.loads(data).keys() == table.keys()
+    assert table[torch.ops.aten.mm.default] is _one_row_mm
+
+
 def test_cpu_decode_backend_settings_stay_inside_its_compile():
     """The backend's options (AOT cache off, the int8 stored-input threshold, the one-row
     decompositions) belong to the decode step's compile alone: after an int8 compiled decode, inductor's
@@ -365,7 +378,7 @@ def test_cpu_decode_backend_settings_stay_inside_its_compile():
 
 
 def test_sample_cli_compile_flag_reaches_generate(tmp_path, capsys, monkeypatch):
-    """`sample --compile` asks generate for compile=True (the compiled path itself is tested above)."""
+    """`sample --compile` asks the decode loop for compile=True (the compiled path itself is tested above)."""
     import importlib
 
     from mini_transformer.cli import main
@@ -377,13 +390,13 @@ def test_sample_cli_compile_flag_reaches_generate(tmp_path, capsys, monkeypatch)
     tokenizer.save(tmp_path)
     generate_module = importlib.import_module("mini_transformer.inference.generate")  # the module, not the function
     seen = []
-    real_generate = generate_module.generate
+    real_decode = generate_module.decode
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs["compile"])
-        return real_generate(*args, **{**kwargs, "compile": False})
+    def spy(model, idx, params, options):
+        seen.append(options.compile)
+        return real_decode(model, idx, params, dataclasses.replace(options, compile=False))
 
-    monkeypatch.setattr(generate_module, "generate", spy)
+    monkeypatch.setattr(generate_module, "decode", spy)
     assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "abc", "--max-new-tokens", "5",
                  "--compile"]) == 0
     assert seen == [True]

@@ -8,7 +8,7 @@ import types
 import torch
 
 from mini_transformer.engine.block_manager import BlockManager as _ProjectBlockManager
-from mini_transformer.inference.generate import decode_step
+from mini_transformer.inference.decoders import decode_step
 from mini_transformer.inference.kv_cache import KVCache
 from mini_transformer.server.text import IncrementalText as _ProjectIncrementalText
 

@@ -49,10 +49,10 @@ class DecodeGraphs:
                                               self.context_lens[:size], self.query_start_loc[:size + 1],
                                               runner.block_size, (1,) * size, (1,) * size)
                 batch = PagedBatch(runner.kv_cache, self.positions[:, :size], meta, runner.attention)
-                runner.model(self.idx[:, :size], cache=batch, check=False)  # warm up (allocations, autotuning)
+                runner.model.logits(self.idx[:, :size], cache=batch)  # warm up (allocations, autotuning)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool):
-                    self.logits[size] = runner.model(self.idx[:, :size], cache=batch, check=False)[0][0]  # (size, V)
+                    self.logits[size] = runner.model.logits(self.idx[:, :size], cache=batch)[0]  # (size, V)
                 pool = graph.pool() if pool is None else pool
                 self.graphs[size] = graph
         torch.cuda.synchronize(device)

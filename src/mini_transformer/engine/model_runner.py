@@ -130,7 +130,7 @@ class ModelRunner:
         if graphable and self.graphs is not None and meta.is_decode_only and self.graphs.fits(idx.shape[1]):
             return self.graphs.run(idx, positions, meta)
         batch = PagedBatch(self.kv_cache, positions, meta, self.attention)
-        logits, _ = self.model(idx, cache=batch, logits_at=rows, check=False)  # (1, M, V): sampled rows only
+        logits = self.model.logits(idx, cache=batch, logits_at=rows)  # (1, M, V): sampled rows only
         return logits[0]
 
     def execute_model(self, scheduled: list[tuple[Sequence, int]]) -> list[int | None]:

@@ -1,7 +1,7 @@
 """The CPU backend of the compiled decode step (static_cache.compiled_decode_step): inductor, with three rules.
 
 At batch 1 a decode step reads every weight once and does one multiply-add per weight: its time is the time
-to stream the weights (and K/V) in. aten's CPU kernels for the step's two heavy ops stream at about half
+to stream the weights (and K/V) in. aten's CPU kernels for the step's two heavy ops stream well below
 that speed when called with one row - MKL's one-row addmm, and the CPU flash attention, built for many
 queries. So the backend replaces them while inductor traces the step:
 
@@ -12,13 +12,10 @@ queries. So the backend replaces them while inductor traces the step:
     slots (`_one_query_kernel_takes` says when); else the same as reductions (`_one_query_attention`);
   * int8 weights: each linear's input stored once instead of recomputed per weight (a config patch).
 
-`RECORDING` lets generate.GraphStep see the flat inputs of the compiled graph and call it without dynamo.
+The rules reach inductor as its decomposition table (`DecodeDecompositions`), for this backend's compiles only.
 """
 
 from __future__ import annotations
-
-import threading
-from collections.abc import Callable
 
 import torch
 
@@ -62,7 +59,7 @@ def _one_query_attention(query, key, value, dropout_p=0.0, is_causal=False, *, a
     The flash kernel tiles for many queries; with one it streams K and V at a fraction of the bandwidth.
     On the CPU attention/one_query_cpu.py's C++ kernel takes it where it builds (`_one_query_kernel_takes`: the online
     softmax of the paged decode kernel, and it skips the masked, not yet written slots of the static slab,
-    which these reductions read all of: 89 -> 44 us per layer, bf16, docs/08); this decomposition is its reference."""
+    which these reductions read all of; docs/08); this decomposition is its reference."""
     B, H, L, D = query.shape
     if L != 1 or dropout_p != 0.0 or is_causal or query.dtype not in FLOAT_DTYPES:
         return NotImplemented
@@ -91,8 +88,8 @@ def _one_query_kernel_takes(query, key, value, attn_mask) -> bool:
     by the heads, and the kernel built; fp32 only where its matmuls go to the C++ GEMV too (float64 never:
     it is the reference). Why that condition: with fp32 matmuls written as reductions inductor fuses the
     whole step, attention included, into one C++ function, and an extern attention op would split it at
-    every layer (measured, 124.7M Llama, 255 steps, taking turns: 0.95-0.99x with the kernel); once the
-    GEMV op splits the graph anyway, the kernel pays (fp32 83.9 -> 88.5 tok/s; bf16 1.02-1.26x)."""
+    every layer, which costs more than the kernel saves; once the GEMV op splits the graph anyway, the
+    kernel pays (docs/08)."""
     B, Tk = query.shape[0], key.shape[2]
     shared_mask = attn_mask is None or (attn_mask.dim() == 4 and attn_mask.shape[0] in (1, B)
                                         and attn_mask.shape[1:] == (1, 1, Tk))
@@ -103,62 +100,46 @@ def _one_query_kernel_takes(query, key, value, attn_mask) -> bool:
 
 
 def cpu_decode_backend(gm, example_inputs):
-    """inductor with `decode_decompositions` (the module docstring says what they do and why).
+    """inductor with `decode_decompositions` (the module docstring says what they do and why; docs/08 §2
+    has the measurements).
 
-    Measured for the reductions (before the C++ GEMV): MKL's sgemm called with one row read the 24 weight
-    matrices of the 6x384 model (42.5 MB) in 2.4 ms through `addmm`, inductor's vectorised reduction in
-    1.0 ms (single thread); inductor's own table decomposes mm this way only on GPUs.
     Caches across processes: inductor's FX-graph cache is ON. Its key hashes the graph inductor gets,
     which is the graph AFTER our decompositions (one-row mm already a multiply-and-sum), the config
-    patches below and the name of the decomposition function, so a default-inductor graph of the same step
-    has another key. AOTAutograd's cache stays off: its key hashes the graph BEFORE decomposition, so it
-    could hand back a default-inductor artifact for our step (the reason both were off before).
+    patches below and the decomposition table, pickled by name (`DecodeDecompositions`), so a
+    default-inductor graph of the same step has another key. AOTAutograd's cache stays off: its key
+    hashes the graph BEFORE decomposition, so it could hand back a default-inductor artifact for our step.
 
-    With int8 weights (quantize.py) the graph also gets a low `realize_cpu_opcount_threshold`:
-    by default inductor inlines a reduction's producer (the LayerNorm before a linear) and recomputes
-    it for every weight element; with one byte per weight that recomputation, not memory, bounds the
-    loop (measured, GPT-2 small int8 step: 15.8 ms inlined, 6.6 ms with the input stored once). With
-    fp32 weights going through the reduction the inlined form was the faster one (6x384 step: 2.9 ms against
-    4.8 ms), and so it was for int4's packed uint8 weights (measured 3.5x slower stored: its unpacking already
-    dominated), so they keep it."""
-    from unittest import mock
-
+    With int8 weights (quantize.py) the graph also gets a low `realize_cpu_opcount_threshold`: by default
+    inductor inlines a reduction's producer (the LayerNorm before a linear) and recomputes it for every
+    weight element; with one byte per weight that recomputation, not memory, bounds the loop, so each
+    linear's input is stored once. fp32 and int4's packed weights run faster inlined and keep it."""
     from torch._functorch import config as functorch_config
-    from torch._inductor import compile_fx as compile_fx_module
+    from torch._inductor.compile_fx import compile_fx
 
     options = {"fx_graph_cache": True}
     if any(isinstance(t, torch.Tensor) and t.dtype == torch.int8 for t in example_inputs):
         options["realize_cpu_opcount_threshold"] = 4  # int8 weights: store each linear's input once
-    # The table goes in as compile_fx's `select_decomp_table` for this call, not as `decompositions=`: a
-    # dict passed there becomes part of the FX-graph cache key, and inductor's default table holds objects
-    # that cannot be pickled for a key (DispatchKey), so every compile bypassed the cache (measured).
-    # A module-level function is pickled by name instead.
-    with functorch_config.patch(enable_autograd_cache=False), \
-            mock.patch.object(compile_fx_module, "select_decomp_table", decode_decompositions):
-        return _recordable(compile_fx_module.compile_fx(gm, example_inputs, config_patches=options))
+    with functorch_config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, config_patches=options, decompositions=decode_decompositions())
 
 
-class _Recording(threading.local):
-    calls: list | None = None  # while a list: each call of a compiled graph appends (graph, inputs, outputs)
+class DecodeDecompositions(dict):
+    """inductor's decomposition table plus the three one-row rules, pickled as a call of
+    `decode_decompositions` (by name).
+
+    Relies on (tested with torch 2.15.0): `compile_fx(decompositions=...)` puts the table, pickled, into
+    the FX-graph cache key. Pickled as a plain dict it fails (inductor's own table holds objects pickle
+    refuses), and every compile would bypass the cache; by name it gives one key in every process."""
+
+    def __reduce__(self):
+        return decode_decompositions, ()
 
 
-RECORDING = _Recording()
-
-
-def _recordable(graph: Callable) -> Callable:
-    """The compiled graph, with a way to see the flat inputs dynamo hands it (generate.GraphStep)."""
-    def call(*inputs):
-        outputs = graph(*inputs)
-        if RECORDING.calls is not None:
-            RECORDING.calls.append((graph, inputs, outputs))
-        return outputs
-    return call
-
-
-def decode_decompositions() -> dict:
+def decode_decompositions() -> DecodeDecompositions:
     """inductor's decomposition table plus the three one-row rules above."""
     from torch._inductor.decomposition import select_decomp_table
 
     aten = torch.ops.aten
-    return {**select_decomp_table(), aten.addmm.default: _one_row_addmm, aten.mm.default: _one_row_mm,
-            aten._scaled_dot_product_flash_attention_for_cpu.default: _one_query_attention}
+    return DecodeDecompositions({**select_decomp_table(), aten.addmm.default: _one_row_addmm,
+                                 aten.mm.default: _one_row_mm,
+                                 aten._scaled_dot_product_flash_attention_for_cpu.default: _one_query_attention})

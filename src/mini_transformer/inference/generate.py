@@ -7,8 +7,10 @@ Prompts of different lengths share a batch by LEFT padding (`attention_mask` 0 =
 last prompt token then sits in the last column, so one decode step serves all rows. The model gives a
 left-padded row positions 0, 1, ... from its first real token, so padding never changes its tokens.
 
-`use_cache=False` is the naive loop: every step runs the whole sequence again, O(T^2) work per token
-instead of O(T). It exists to check the cache and to measure what it buys.
+One loop serves every mode: a decoder (decoders.py) answers `prefill(idx, mask)` and `step(token)`, the
+loop samples between them. `use_cache=False` picks the naive decoder: every step runs the whole sequence
+again, O(T^2) work per token instead of O(T); it exists to check the cache and to measure what it buys.
+`compile=True` picks static_cache.CompiledDecoder; `draft_model` hands the call to speculative.py.
 
 This is one static batch (the learner's version); `engine/` serves many requests that come and go.
 """
@@ -22,59 +24,25 @@ import torch
 
 from .._checks import boolean, instance, integer, positive_int, token_id, token_ids
 from ..model.transformer import TransformerLM, check_attention_mask, check_token_ids
-from .kv_cache import KVCache
+from .decoders import CachedDecoder, RecomputeDecoder
 from .sampling import SamplingParams, sample_next
+from .speculative import speculative_generate
+from .static_cache import CompiledDecoder
 
 
-def prefill(model: TransformerLM, idx: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None):
-    """Run the whole prompt (B, T) once, filling the cache. Returns the last position's logits (B, V)."""
-    last = torch.tensor([-1], device=idx.device)
-    logits, _ = model(idx, attention_mask=attention_mask, cache=cache, logits_at=last, check=False)  # (B, 1, V)
-    return logits[:, -1]
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """generate()'s keywords besides the sampling ones, carried as one object to the loop and to
+    generate_long's chunks. `generator=None`: one made from params.seed when decoding starts."""
 
-
-def decode_step(model: TransformerLM, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Run one new token per row (B,) against the cached keys/values. Returns its logits (B, V)."""
-    logits, _ = model(token[:, None], cache=cache, check=False)  # (B, 1, V)
-    return logits[:, -1]
-
-
-class GraphStep:
-    """The compiled decode step of ONE (model, cache), called without dynamo from the second step on.
-
-    Each call of a dynamo-compiled function walks the model to gather its ~180 weight and cache tensors,
-    looks its graph up and (even with skip_guard_eval_unsafe) checks the tensors for aliasing: ~0.4 ms of
-    CPU per step on a 12-layer model (9% of an int8 step, measured; docs/08). Inside one generate() call
-    the inputs are the same tensors every step except the token. So the first step goes through dynamo
-    (every guard checked) while the CPU backend records the flat inputs it passes the graph; later steps
-    call the graph with that list, the new token in its slot. Where nothing usable was recorded (cuda's
-    CUDA graphs, a graph that does not take the token as one input), it keeps dynamo, skipping guards."""
-
-    def __init__(self, step: Callable, model: TransformerLM, token: torch.Tensor, cache):
-        from .cpu_decode import RECORDING
-
-        self.step, self.graph = step, None
-        RECORDING.calls = []
-        try:
-            self.first_logits = step(model, token, cache)  # (B, V), through dynamo with its guards
-            calls = RECORDING.calls
-        finally:
-            RECORDING.calls = None
-        if len(calls) != 1:
-            return
-        graph, inputs, outputs = calls[0]
-        token_at = [i for i, t in enumerate(inputs) if t is token]
-        logits_at = [i for i, t in enumerate(outputs) if t is self.first_logits]
-        if len(token_at) == 1 and len(logits_at) == 1:
-            self.graph, self.inputs, self.token_at, self.logits_at = graph, list(inputs), token_at[0], logits_at[0]
-
-    def __call__(self, model: TransformerLM, token: torch.Tensor, cache) -> torch.Tensor:
-        if self.graph is None:
-            from .static_cache import step_without_guards
-
-            return step_without_guards(self.step, model, token, cache)
-        self.inputs[self.token_at] = token  # (B,) int64 like the first: sample_next's argmax
-        return self.graph(*self.inputs)[self.logits_at]
+    attention_mask: torch.Tensor | None = None
+    eos_token_id: int | None = None
+    use_cache: bool = True
+    generator: torch.Generator | None = None
+    stream: Callable[[torch.Tensor], None] | None = None
+    compile: bool = False
+    draft_model: TransformerLM | str | None = None
+    num_speculative_tokens: int = 4
 
 
 def as_sampling_params(params: SamplingParams | int, sampling: dict) -> SamplingParams:
@@ -93,7 +61,8 @@ def as_sampling_params(params: SamplingParams | int, sampling: dict) -> Sampling
     return SamplingParams(max_tokens=params, **sampling)
 
 
-def _check_generate_args(model, idx, params, attention_mask, eos_token_id, stream) -> None:
+def _check_generate_args(model, idx, params: SamplingParams, options: DecodeOptions) -> None:
+    attention_mask, eos_token_id, stream = options.attention_mask, options.eos_token_id, options.stream
     instance("model", model, TransformerLM)
     model.check_backend(training=False)  # generate runs the model in eval mode
     cfg = model.config
@@ -123,6 +92,12 @@ def _check_generate_args(model, idx, params, attention_mask, eos_token_id, strea
                          "against the mask)")
     if stream is not None and not callable(stream):
         raise TypeError(f"stream must be a callable taking the (B,) tokens of each step, got {type(stream).__name__}")
+    boolean("compile", options.compile)
+    if options.compile and not options.use_cache:
+        raise ValueError("compile=True decodes from a static KV cache; it cannot be combined with use_cache=False")
+    if options.draft_model is not None and (options.compile or not options.use_cache or attention_mask is not None):
+        raise ValueError("draft_model: speculative decoding runs one unpadded row from the KV cache "
+                         "(no compile, no use_cache=False, no attention_mask)")
 
 
 @torch.inference_mode()
@@ -156,91 +131,72 @@ def generate(
     turns on speculative decoding, `num_speculative_tokens` drafted per target pass (speculative.py).
     """
     params = as_sampling_params(params, sampling)
-    _check_generate_args(model, idx, params, attention_mask, eos_token_id, stream)
-    boolean("compile", compile)
-    if compile and not use_cache:
-        raise ValueError("compile=True decodes from a static KV cache; it cannot be combined with use_cache=False")
-    if draft_model is not None and (compile or not use_cache or attention_mask is not None):
-        raise ValueError("draft_model: speculative decoding runs one unpadded row from the KV cache "
-                         "(no compile, no use_cache=False, no attention_mask)")
-    return _generate(model, idx, params, attention_mask=attention_mask, eos_token_id=eos_token_id,
-                     use_cache=use_cache, generator=generator, stream=stream, compile=compile,
-                     draft_model=draft_model, num_speculative_tokens=num_speculative_tokens)
+    options = DecodeOptions(attention_mask=attention_mask, eos_token_id=eos_token_id, use_cache=use_cache,
+                            generator=generator, stream=stream, compile=compile, draft_model=draft_model,
+                            num_speculative_tokens=num_speculative_tokens)
+    _check_generate_args(model, idx, params, options)
+    return decode(model, idx, params, options)
 
 
 @torch.inference_mode()
-def _generate(model, idx, params: SamplingParams, *, attention_mask, eos_token_id, use_cache, generator, stream,
-              compile, draft_model, num_speculative_tokens) -> torch.Tensor:
-    """generate's work, on arguments its door has checked (generate_long's later chunks come here too)."""
-    if draft_model is not None:
-        from .speculative import speculative_generate
-
-        return speculative_generate(model, idx, params, draft_model, num_speculative_tokens,
-                                    eos_token_id=eos_token_id, generator=generator, stream=stream)
-    if generator is None:
-        generator = params.make_generator(idx.device)
+def decode(model: TransformerLM, idx: torch.Tensor, params: SamplingParams, options: DecodeOptions) -> torch.Tensor:
+    """generate's work, on arguments its door has checked (generate_long's later chunks come here too):
+    the new ids (B, params.max_tokens). The model runs in eval mode, then goes back to its mode."""
+    if options.draft_model is not None:
+        return speculative_generate(model, idx, params, options.draft_model, options.num_speculative_tokens,
+                                    eos_token_id=options.eos_token_id, generator=options.generator,
+                                    stream=options.stream)
     B, T = idx.shape
-    n_new = params.max_tokens
-    device = idx.device
-    # Every token so far (prompt + new) and which of them are real: the no-cache path re-runs them,
-    # the repetition penalty looks at them.
-    tokens = torch.empty(B, T + n_new, dtype=torch.long, device=device)
-    tokens[:, :T] = idx
-    keep = torch.ones(B, T + n_new, dtype=torch.bool, device=device)
-    if attention_mask is not None:
-        keep[:, :T] = attention_mask.bool()
-    prompt_mask = attention_mask if attention_mask is not None and not bool(keep[:, :T].all()) else None
-    stop_ids = params.stops(eos_token_id)
-    stops = torch.tensor(stop_ids, dtype=torch.long, device=device)  # (S,)
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-
+    if not options.use_cache:
+        decoder = RecomputeDecoder(model)
+    elif options.compile:
+        decoder = CompiledDecoder(model, B, T + params.max_tokens, idx.device)
+    else:
+        decoder = CachedDecoder(model, B, T + params.max_tokens, idx.device)
     was_training = model.training
     model.eval()
     try:
-        step_fn = decode_step
-        if use_cache:
-            dtype = model.tok_emb.weight.dtype
-            if compile:  # fixed shapes: every decode step runs the same compiled graph
-                from .static_cache import compiled_decode_step, decode_cache, static_length
-
-                max_len = static_length(T + n_new, model.config.max_seq_len)
-                cache = decode_cache(model, B, max_len, dtype=dtype, device=device)
-                step_fn = compiled_decode_step(device)
-            else:
-                cache = KVCache.for_model(model, B, T + n_new, dtype=dtype, device=device)
-            logits = prefill(model, idx, cache, prompt_mask)
-        else:
-            logits = model(idx, attention_mask=prompt_mask, check=False)[0][:, -1]
-        for step in range(n_new):
-            length = T + step
-            next_ids = sample_next(logits, params, previous_ids=tokens[:, :length], previous_mask=keep[:, :length],
-                                   output_ids=tokens[:, T:length], stop_ids=stop_ids, generator=generator)  # (B,)
-            if len(stops):  # a stopped row repeats its stop token; no host read here
-                next_ids = torch.where(finished, tokens[:, length - 1], next_ids)
-                finished |= torch.isin(next_ids, stops)
-            tokens[:, length] = next_ids
-            if stream is not None:
-                stream(next_ids)
-            if step == n_new - 1:
-                break
-            all_stopped = finished.all() if len(stops) else None  # (), still on the device
-            if use_cache and compile and step == 0:
-                graph_step = GraphStep(step_fn, model, next_ids, cache)
-                logits = graph_step.first_logits
-            elif use_cache and compile:
-                logits = graph_step(model, next_ids, cache)
-            elif use_cache:
-                logits = step_fn(model, next_ids, cache)
-            else:  # the naive way: the whole sequence again, to read one new row of logits
-                mask = keep[:, :length + 1] if prompt_mask is not None else None
-                logits = model(tokens[:, :length + 1], attention_mask=mask, check=False)[0][:, -1]
-            # The stop test, one step late: read whether every row had stopped only after the next forward
-            # pass is queued, so the device never idles waiting for the host. If they had, that forward's
-            # logits are dropped unsampled: the tokens are the same as testing before it.
-            if all_stopped is not None and bool(all_stopped):
-                break
+        return _sample_loop(decoder, idx, params, options)
     finally:
         model.train(was_training)
+
+
+def _sample_loop(decoder, idx: torch.Tensor, params: SamplingParams, options: DecodeOptions) -> torch.Tensor:
+    """The decode loop: prefill, then sample a token per row and step the decoder with it, max_tokens times."""
+    B, T = idx.shape
+    n_new, device = params.max_tokens, idx.device
+    generator = params.make_generator(device) if options.generator is None else options.generator
+    # Every token so far (prompt + new) and which of them are real: the penalties look at them.
+    tokens = torch.empty(B, T + n_new, dtype=torch.long, device=device)
+    tokens[:, :T] = idx
+    keep = torch.ones(B, T + n_new, dtype=torch.bool, device=device)
+    mask = options.attention_mask
+    if mask is not None:
+        keep[:, :T] = mask.bool()
+        mask = None if bool(keep[:, :T].all()) else mask  # no padding: attention needs no mask
+    stop_ids = params.stops(options.eos_token_id)
+    stops = torch.tensor(stop_ids, dtype=torch.long, device=device)  # (S,)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    logits = decoder.prefill(idx, mask)  # (B, V)
+    for step in range(n_new):
+        length = T + step
+        next_ids = sample_next(logits, params, previous_ids=tokens[:, :length], previous_mask=keep[:, :length],
+                               output_ids=tokens[:, T:length], stop_ids=stop_ids, generator=generator)  # (B,)
+        if len(stops):  # a stopped row repeats its stop token; no host read here
+            next_ids = torch.where(finished, tokens[:, length - 1], next_ids)
+            finished |= torch.isin(next_ids, stops)
+        tokens[:, length] = next_ids
+        if options.stream is not None:
+            options.stream(next_ids)
+        if step == n_new - 1:
+            break
+        all_stopped = finished.all() if len(stops) else None  # (), still on the device
+        logits = decoder.step(next_ids)  # (B, V)
+        # The stop test, one step late: read whether every row had stopped only after the next forward
+        # pass is queued, so the device never idles waiting for the host. If they had, that forward's
+        # logits are dropped unsampled: the tokens are the same as testing before it.
+        if all_stopped is not None and bool(all_stopped):
+            break
     new_ids = tokens[:, T:]
     if step < n_new - 1:  # stopped early: rows repeat their last (stop) token in the slots never generated
         new_ids[:, step + 1:] = new_ids[:, step:step + 1]
@@ -277,6 +233,8 @@ def generate_long(
     integer("keep_tokens", keep_tokens, low=1, high=context - 1, expected=f"an integer in [1, max_seq_len={context})")
     if generator is None:  # one generator for every chunk, so a seed does not repeat its draws
         generator = params.make_generator(idx.device)
+    options = DecodeOptions(eos_token_id=eos_token_id, use_cache=use_cache, generator=generator, stream=stream,
+                            compile=compile, draft_model=draft_model, num_speculative_tokens=num_speculative_tokens)
     stops = torch.tensor(params.stops(eos_token_id), dtype=torch.long, device=idx.device)  # (S,)
     finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)  # (B,) rows that have stopped
     window = idx[:, -context + 1:] if idx.shape[1] >= context else idx  # at least one slot left to generate
@@ -285,10 +243,9 @@ def generate_long(
     while produced < params.max_tokens:
         n = min(params.max_tokens - produced, context - window.shape[1])
         chunk_params = dataclasses.replace(params, max_tokens=n, seed=None)
-        run = _generate if chunks else generate  # the first chunk goes through the door; the rest are our own ids
-        new = run(model, window, chunk_params, attention_mask=None, eos_token_id=eos_token_id, use_cache=use_cache,
-                  generator=generator, stream=stream, compile=compile, draft_model=draft_model,
-                  num_speculative_tokens=num_speculative_tokens)  # (B, n)
+        if not chunks:  # the first chunk goes through the door; the rest are our own ids
+            _check_generate_args(model, window, chunk_params, options)
+        new = decode(model, window, chunk_params, options)  # (B, n)
         if len(stops):  # a row that stopped in an earlier chunk keeps repeating its stop token
             if chunks:
                 new = torch.where(finished[:, None], chunks[-1][:, -1:], new)

@@ -100,7 +100,7 @@ class _ModelDrafter:
         self.cache = KVCache.for_model(model, 1, max_len, dtype=model.tok_emb.weight.dtype,
                                        device=prompt.device)
         if prompt.shape[1] > 1:
-            model(prompt[:, :-1], cache=self.cache, check=False)
+            model.logits(prompt[:, :-1], cache=self.cache)
         self.pending = [int(prompt[0, -1])]
 
     def propose(self, k: int, params: SamplingParams, generator) -> tuple[list[int], torch.Tensor]:
@@ -118,7 +118,7 @@ class _ModelDrafter:
 
     def _next_logits(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (1, n) -> the logits after its last token (1, V)."""
-        return self.model(idx, cache=self.cache, check=False)[0][:, -1]
+        return self.model.logits(idx, cache=self.cache)[:, -1]
 
     def commit(self, drafts: list[int], n_accepted: int, next_token: int) -> None:
         if n_accepted == len(drafts):  # the last draft was never fed to the draft model
@@ -154,6 +154,16 @@ def _check_speculative_args(target, idx, params, draft_model, k) -> None:
                          f"{draft_model.config.max_seq_len}")
 
 
+def _draft(drafter: _ModelDrafter | None, tokens: list[int], k: int, params: SamplingParams, generator,
+           vocab_size: int, device) -> tuple[list[int], torch.Tensor]:
+    """k drafted ids (fewer when prompt lookup finds fewer) and the drafter's q (k, V)."""
+    if drafter is not None and k > 0:
+        return drafter.propose(k, params, generator)
+    drafts = lookup_drafts(tokens, k) if k > 0 else []
+    ids = torch.tensor(drafts, dtype=torch.long, device=device)
+    return drafts, torch.nn.functional.one_hot(ids, vocab_size).float()  # (k, V): a sure guess
+
+
 @torch.inference_mode()
 def speculative_generate(
     target: TransformerLM,
@@ -182,20 +192,15 @@ def speculative_generate(
         max_len = idx.shape[1] + n_new
         cache = KVCache.for_model(target, 1, max_len, dtype=target.tok_emb.weight.dtype, device=device)
         if idx.shape[1] > 1:  # the target's cache holds every committed token but the last
-            target(idx[:, :-1], cache=cache, check=False)
+            target.logits(idx[:, :-1], cache=cache)
         drafter = _ModelDrafter(draft_model, idx, max_len) if len(models) == 2 else None
         tokens = idx[0].tolist()
         new: list[int] = []
         while len(new) < n_new and not (stops and new and new[-1] in stops):
             k = min(num_speculative_tokens, n_new - len(new) - 1)  # never run past max_tokens
-            if drafter is not None and k > 0:
-                drafts, q = drafter.propose(k, params, generator)
-            else:
-                drafts = lookup_drafts(tokens, k) if k > 0 else []
-                q = torch.nn.functional.one_hot(torch.tensor(drafts, dtype=torch.long, device=device),
-                                                target.config.vocab_size).float()  # (k, V): a sure guess
+            drafts, q = _draft(drafter, tokens, k, params, generator, target.config.vocab_size, device)
             verify = torch.tensor([[tokens[-1], *drafts]], device=device)  # (1, k + 1)
-            p = token_probs(target(verify, cache=cache, check=False)[0][0], params)  # (k + 1, V)
+            p = token_probs(target.logits(verify, cache=cache)[0], params)  # (k + 1, V)
             n_accepted, next_token = accept_drafts(p, q, drafts, generator)
             cache.rollback(len(drafts) - n_accepted)
             if drafter is not None and drafts:

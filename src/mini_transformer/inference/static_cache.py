@@ -14,10 +14,9 @@ A T > 1 forward (the prompt) is the one exception: our attention puts queries at
 so a prefill over all max_len slots would misalign them. The prompt is therefore prefilled eagerly over
 the slots it writes, [0, T), exactly as KVCache does; only the single-token step is compiled.
 
-    cache = StaticCache.for_model(cfg, batch_size=1, max_len=T + n_new)
-    logits = model(prompt, cache=cache, check=False)[0][:, -1]       # eager prefill
-    step = compiled_decode_step(device)                              # torch.compile(fullgraph=True)
-    logits = step(model, next_ids, cache)                            # (B, V), same graph every token
+    decoder = CompiledDecoder(model, batch_size=1, needed_len=T + n_new, device=device)
+    logits = decoder.prefill(prompt, None)     # eager, into a StaticCache
+    logits = decoder.step(next_ids)            # (B, V), the same compiled graph every token
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ import torch
 from ..model.cache import AttendFn
 from ..model.transformer import TransformerLM
 from .cpu_decode import cpu_decode_backend
+from .decoders import prefill
 from .kv_cache import SlabCache
 
 
@@ -46,8 +46,8 @@ class StaticCache(SlabCache):
                          d_head=d_head)
         shape = (batch_size, n_kv_heads, max_len, d_head)
         # One tensor per layer, not one (n_layer, ...) tensor sliced by layer: inductor writes a token in
-        # place into a tensor the graph receives, but a write into a VIEW of one (k[layer]) it turned into
-        # a copy of the whole slab every step (measured: the step slowed as max_len grew).
+        # place into a tensor the graph receives, but turns a write into a VIEW of one (k[layer]) into a
+        # copy of the whole slab every step, a step that slows as max_len grows.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         # True = the slot may hold a real token. Only prompt padding is ever False, so together with
@@ -144,8 +144,7 @@ def decode_cache(model: TransformerLM, batch_size: int, max_len: int, *, dtype: 
 
 def _decode_one(model, token: torch.Tensor, cache: StaticCache) -> torch.Tensor:
     """One token per row (B,) -> its logits (B, V). The function torch.compile traces."""
-    logits, _ = model(token[:, None], cache=cache, check=False)  # (B, 1, V)
-    return logits[:, -1]
+    return model.logits(token[:, None], cache=cache)[:, -1]  # (B, 1, V) -> (B, V)
 
 
 _COMPILED: dict[str, Callable] = {}
@@ -176,13 +175,18 @@ def compiled_decode_step(device: torch.device | str) -> Callable:
     return _COMPILED[kind]
 
 
-def step_without_guards(step: Callable, model, token: torch.Tensor, cache: StaticCache) -> torch.Tensor:
-    """The compiled step, skipping dynamo's guard checks (all but those that tell its graphs apart).
+class CompiledDecoder:
+    """generate(compile=True)'s decoder (decoders.py's interface): an eager prefill into a `StaticCache`
+    of at least `needed_len` slots, then `compiled_decode_step` once per token on that cache."""
 
-    Every call first checks dynamo's guards (each weight and slab's dtype, shape and strides, the modules'
-    attributes) and looks the graph up. Inside one generate() call they cannot fail from the second step on: the
-    same model and cache objects come back with new values only, and the first step checked them all.
-    So generate() runs steps 2, 3, ... this way; only this call is affected (a stream callback or user
-    code between steps keeps its guards)."""
-    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-        return step(model, token, cache)
+    def __init__(self, model: TransformerLM, batch_size: int, needed_len: int, device: torch.device | str):
+        self.model = model
+        max_len = static_length(needed_len, model.config.max_seq_len)
+        self.cache = decode_cache(model, batch_size, max_len, dtype=model.tok_emb.weight.dtype, device=device)
+        self.compiled_step = compiled_decode_step(device)
+
+    def prefill(self, idx: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        return prefill(self.model, idx, self.cache, attention_mask)  # eager: T > 1 (the module docstring)
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        return self.compiled_step(self.model, token, self.cache)

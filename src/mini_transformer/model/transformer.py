@@ -183,7 +183,7 @@ class TransformerLM(nn.Module):
         return sum(p.numel() for p in self.parameters())  # parameters() counts a tied tensor once
 
     def forward(self, idx, targets=None, *, attention_mask=None, cache: Cache | None = None,
-                logits_at: torch.Tensor | None = None, check: bool = True):
+                logits_at: torch.Tensor | None = None):
         """idx (B, T) token ids; targets (B, T) next-token ids, -100 = ignored; attention_mask (B, T),
         1 = real token (left padding; with a cache it covers the new tokens only); cache: a `KVCache`
         to read and extend. Returns (logits (B, T, V), loss or None).
@@ -191,21 +191,28 @@ class TransformerLM(nn.Module):
         logits_at (K,) int: compute logits only at these positions of T (then (B, K, V)). Generating
         reads one row per sequence, and the head over the whole vocabulary is the costliest layer.
 
-        `check=False` skips the input checks: for callers that checked once already (generate, the
-        engine, training), since checking token ids reads them back from the device."""
-        if check and not torch.compiler.is_compiling():  # reading values would split a compiled graph
+        This is the door: it checks its inputs (`check_inputs`). Callers that checked theirs once
+        already (generate, the engine) call `logits` instead, since checking token ids reads them back
+        from the device."""
+        if not torch.compiler.is_compiling():  # reading values would split a compiled graph
             self.check_inputs(idx, targets, attention_mask, cache, logits_at)
+        logits = self.logits(idx, attention_mask=attention_mask, cache=cache, logits_at=logits_at)
+        loss = None if targets is None else lm_loss(logits, targets)
+        if loss is not None and self.training and self.config.ffn == "moe" and self.config.moe_aux_loss_coef > 0:
+            loss = loss + self.config.moe_aux_loss_coef * moe_aux_loss(self, attention_mask)  # training only
+        return logits, loss
+
+    def logits(self, idx, *, attention_mask=None, cache: Cache | None = None,
+               logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` without its checks and without a loss: the logits (B, T or K, V) of inputs the
+        caller has checked already (the same arguments as forward's)."""
         cache = NoCache() if cache is None else cache
         positions = cache.begin(idx, attention_mask)  # (B, T): left padding does not count
         x = self.emb_drop(self.embed(idx, positions))  # (B, T, C)
         x = self.run_blocks(self.blocks, x, cache, positions)  # (B, T, C)
         if logits_at is not None:
             x = x[:, logits_at]  # (B, K, C): only the positions whose next token someone will pick
-        logits = self.lm_head(self.norm_f(x))  # (B, T or K, V)
-        loss = None if targets is None else lm_loss(logits, targets)
-        if loss is not None and self.training and self.config.ffn == "moe" and self.config.moe_aux_loss_coef > 0:
-            loss = loss + self.config.moe_aux_loss_coef * moe_aux_loss(self, attention_mask)  # training only
-        return logits, loss
+        return self.lm_head(self.norm_f(x))  # (B, T or K, V)
 
     def run_blocks(self, blocks, x, cache: Cache, positions):
         """x (B, T, C) through `blocks` (all of self.blocks, or a pipeline stage's run of them, see

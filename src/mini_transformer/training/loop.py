@@ -73,7 +73,7 @@ def estimate_loss(model, splits: dict, cfg: TrainConfig, block_size: int, device
         for _ in range(cfg.eval_batches):
             x, y = get_batch(data, cfg.sequences_per_batch(block_size), block_size, generator)
             with amp():
-                losses.append(model(x.to(device), y.to(device), check=False)[1].detach().float())
+                losses.append(model(x.to(device), y.to(device))[1].detach().float())
         out[name] = torch.stack(losses).mean().item()
     model.train()
     return out
@@ -260,7 +260,7 @@ def _start(cfg: TrainConfig, model_cfg, ckpt: Path | None, rank: int, world_size
     ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
     train_data, val_data = split_tokens(ids, block_size)
     model.to(device)
-    model.check_backend(training=True)  # once: the training steps call the model with check=False
+    model.check_backend(training=True)  # refuse a backend that cannot train before building anything
     if cfg.fsdp:  # before the optimizer, which must see (and keep state for) the shards only
         from ..parallel.fsdp import shard_for_training
 

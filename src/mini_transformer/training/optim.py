@@ -48,7 +48,7 @@ def forward_backward(model, next_batch, cfg: TrainConfig, amp, scaler, world_siz
         sync = model.no_sync() if world_size > 1 and not last_micro and hasattr(model, "no_sync") else None
         with sync or contextlib.nullcontext():  # DDP averages gradients only on the last micro-batch (FSDP: each)
             with amp():
-                _, loss = model(x, y, check=False)  # the data loader's ids are in range by construction
+                _, loss = model(x, y)
             loss = loss / cfg.grad_accum_steps  # the update uses the MEAN over all micro-batches
             scaler.scale(loss).backward()
         loss_sum = loss_sum + loss.detach()
