@@ -190,27 +190,36 @@ def test_triton_backend_walks_the_block_tables_in_its_kernel():
 
 def test_the_cpu_engine_decodes_through_its_paged_attention_object_to_the_kernel(monkeypatch):
     """The runner chooses its paged attention once: for a CPU fp32 pool the C++ kernel where it builds (a
-    float64 pool: the compiled reference; the triton backend: TritonPagedAttention); each decode step calls
-    that object's decode, which calls the kernel."""
+    float64 pool: the compiled reference). Each decode step reaches the kernel in two calls from the
+    attention module: MultiHeadAttention.forward -> PagedBatch.attend -> CpuPagedAttention.decode -> the op."""
+    import sys
+
     from mini_transformer.attention import paged
     from mini_transformer.attention.paged_cpu import decode_kernel_available
+    from mini_transformer.model.transformer import MultiHeadAttention
 
     if not decode_kernel_available():
         pytest.skip("the C++ kernel cannot be built here")
     model = make_model("llama")
     engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=50))
     assert type(engine.runner.attention) is paged.CpuPagedAttention
-    calls, kernel = [], paged.paged_decode_kernel
+    calls, kernel = [], torch.ops.mt_paged.decode
 
     def counted(q, *args):
-        calls.append(q.shape[0])
+        frame, hops = sys._getframe(1), []
+        while not (frame.f_code.co_name == "forward" and isinstance(frame.f_locals.get("self"), MultiHeadAttention)):
+            hops.append(frame.f_code.co_qualname)
+            frame = frame.f_back
+        calls.append((q.shape[0], hops))
         return kernel(q, *args)
 
-    monkeypatch.setattr(paged, "paged_decode_kernel", counted)
     prompts = make_prompts()[:2]
-    assert engine.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False) == [alone(model, p, 4)
-                                                                                        for p in prompts]
-    assert calls and max(calls) == 2  # both sequences' decode rows in one call
+    with monkeypatch.context() as patch:  # torch.ops itself: only this call may see the counting function
+        patch.setattr(torch.ops.mt_paged, "decode", counted)
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert outputs == [alone(model, p, 4) for p in prompts]
+    assert max(rows for rows, _ in calls) == 2  # both sequences' decode rows in one call
+    assert {tuple(hops) for _, hops in calls} == {("CpuPagedAttention.decode", "PagedBatch.attend")}
     assert type(LLMEngine(make_model("llama").double(), EngineConfig(block_size=4, num_blocks=50)).runner.attention) \
         is paged.CompiledPagedAttention
 

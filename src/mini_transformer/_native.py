@@ -81,7 +81,7 @@ def _load(prefix: str, files: tuple[str, ...], what: str, portable: bool) -> boo
 
 
 def build(prefix: str, source: str, what: str, fakes: dict[str, Callable] | None = None) -> bool:
-    """Build and load csrc/`source`, which registers its operators with TORCH_LIBRARY; then register each
+    """Build and load csrc/`source`, which registers its operators with the dispatcher; then register each
     operator's shape function from `fakes` ("lib::op" -> fn), so torch.compile can trace a call without
     running it. False where it cannot be built (the caller runs its reference)."""
     if prefix not in _built:

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from .naive import naive_attention
-from .paged_cpu import KERNEL_DTYPES, decode_kernel_available, paged_decode_kernel
+from .paged_cpu import KERNEL_DTYPES, decode_kernel_available
 
 __all__ = ["CompiledPagedAttention", "CpuPagedAttention", "PagedAttention", "PagedAttentionMetadata",
            "paged_attention_for", "paged_decode_attention", "write_kv"]
@@ -247,8 +247,9 @@ class CpuPagedAttention(PagedAttention):
     """`decode`: the C++ kernel of paged_cpu.py (a pool in one of its KERNEL_DTYPES, the kernel built)."""
 
     def decode(self, q, k_cache, v_cache, meta: PagedAttentionMetadata) -> torch.Tensor:
-        return paged_decode_kernel(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size,
-                                   1.0 / math.sqrt(q.shape[-1]))
+        # the op itself, not paged_cpu's wrapper: one call from here to the kernel
+        return torch.ops.mt_paged.decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                         meta.block_size, 1.0 / math.sqrt(q.shape[-1]))
 
 
 def paged_attention_for(device: torch.device | str, dtype: torch.dtype, enforce_eager: bool = False) -> PagedAttention:

@@ -16,7 +16,7 @@ Each rank keeps a contiguous group of heads and a slice of the FFN's hidden unit
 So a layer costs two all_reduces of (B, T, C) and nothing else; columns need no communication because
 each rank's slice of the hidden units is used only by its own slice of the next matrix. The embedding
 is split too (not replicated): it is 31% of GPT-2 small's weights, and replicating it would leave each
-of two ranks holding 0.66x of the model instead of 0.50x.
+of two ranks holding two thirds of the model instead of half.
 
 The model stays the one TransformerLM: its Linear layers are cut down in place and the attention modules
 get their local head counts. `model.config` stays true: it describes the whole model, whose residual
