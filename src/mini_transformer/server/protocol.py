@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from ..inference.sampling import SamplingParams
+from ..inference.sampling import MAX_SAMPLING_FACTOR, SamplingParams
 
 
 class ErrorResponse(Exception):
@@ -78,7 +78,7 @@ class _SamplingFields(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Int(ge=-1, le=2**31 - 1) | None = None  # -1 or 0: off (vLLM's convention)
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=1e6)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=1 / MAX_SAMPLING_FACTOR, le=MAX_SAMPLING_FACTOR)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     # OpenAI's keys are token ids written as strings; values in [-100, 100]
