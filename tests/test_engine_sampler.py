@@ -9,13 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_engine import VOCAB, alone, make_model, make_prompts
+from test_sampling import extreme_params_strategy
 
 from mini_transformer import SamplingParams
 from mini_transformer.engine import EngineConfig, InvalidRequest, LLMEngine
 from mini_transformer.engine.batch_plan import BatchPlan
 from mini_transformer.engine.sampler import Sampler, penalise
 from mini_transformer.engine.sequence import Sequence, TokenLogprob
-from mini_transformer.inference.sampling import sample_next
+from mini_transformer.inference.sampling import SAMPLING_EPS, sample_next
 
 V = 40
 STOPS = (3, 5)
@@ -89,6 +90,33 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     seqs = [sequence(p, [1, 2], request_id=str(i)) for i, p in enumerate(params)]
     ids = Sampler(V, torch.device("cpu")).sample(logits, seqs).ids
     assert ids[0::2].tolist() == logits[0::2].argmax(-1).tolist()
+
+
+def test_a_row_whose_temperature_is_below_sampling_eps_is_a_greedy_row():
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(2)) * 4
+    tiny = [0.0, 5e-324, 1e-40, 1e-38, 1e-6, SAMPLING_EPS / 2]
+    seqs = [sequence(SamplingParams(temperature=t, top_k=5, seed=i), [1, 2], request_id=str(i))
+            for i, t in enumerate(tiny)]
+    sampler = Sampler(V, torch.device("cpu"))
+    assert sampler.plan(seqs).sampled is None  # no row draws
+    assert sampler.sample(logits, seqs).ids.tolist() == logits.argmax(-1).tolist()
+    seqs[0] = sequence(SamplingParams(temperature=1.0, seed=0), [1, 2], request_id="s")  # beside a sampled row
+    assert Sampler(V, torch.device("cpu")).sample(logits, seqs).ids[1:].tolist() == logits[1:].argmax(-1).tolist()
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), seed=st.integers(0, 2**16), scale=st.floats(1e-3, 1e3))
+def test_batched_sampler_equals_one_row_at_a_time_over_every_accepted_value(data, seed, scale):
+    """The parameters at the ends of their accepted ranges: every id still equals sample_next's, and is a
+    token the reference gives a finite logit."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [sequence(dataclasses.replace(data.draw(extreme_params_strategy(V)), seed=seed + i), [i, 7, 7], [i],
+                     request_id=str(i)) for i in range(4)]
+    logits = torch.randn(4, V, generator=gen) * scale
+    want = [reference(logits[i], seq) for i, seq in enumerate(seqs)]
+    for seq in seqs:
+        seq.generator = seq.params.make_generator()
+    assert Sampler(V, torch.device("cpu")).sample(logits, seqs).ids.tolist() == want
 
 
 def test_a_seeded_row_draws_the_same_alone_or_in_any_batch():

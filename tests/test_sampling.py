@@ -9,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mini_transformer.inference.sampling import (
+    MAX_SAMPLING_FACTOR,
+    SAMPLING_EPS,
     SamplingParams,
     apply_repetition_penalty,
     draw_from_probs,
@@ -333,3 +335,67 @@ def test_sampling_params_are_frozen_and_name_every_stop():
     assert params.make_generator() is None
     a, b = SamplingParams(seed=5).make_generator(), SamplingParams(seed=5).make_generator()
     assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-40, 1e-38, 1e-37, 1e-6, SAMPLING_EPS / 2])
+def test_a_temperature_below_sampling_eps_is_greedy(temperature):
+    """Dividing by such a temperature would overflow to inf and the draw would return token 0."""
+    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0)) * 5
+    params = SamplingParams(temperature=temperature, top_k=10, seed=0)
+    assert params.greedy
+    assert sample_next(logits, params, generator=params.make_generator()).tolist() == logits.argmax(-1).tolist()
+    assert not SamplingParams(temperature=SAMPLING_EPS).greedy
+
+
+def extreme_params_strategy(vocab: int):
+    """Every sampling parameter over its whole accepted range, the ends included."""
+    factor = st.floats(1 / MAX_SAMPLING_FACTOR, MAX_SAMPLING_FACTOR)
+    return st.builds(
+        SamplingParams, max_tokens=st.just(8),
+        temperature=st.one_of(st.floats(0.0, MAX_SAMPLING_FACTOR), st.floats(0.0, 1e-3),
+                              st.sampled_from([0.0, 5e-324, 1e-40, SAMPLING_EPS, MAX_SAMPLING_FACTOR])),
+        top_k=st.one_of(st.none(), st.integers(1, vocab + 2)),
+        top_p=st.one_of(st.none(), st.floats(0.0, 1.0, exclude_min=True), st.just(5e-324)),
+        min_p=st.one_of(st.none(), st.floats(0.0, 1.0)),
+        repetition_penalty=st.one_of(st.none(), factor,
+                                     st.sampled_from([1 / MAX_SAMPLING_FACTOR, MAX_SAMPLING_FACTOR])),
+        presence_penalty=st.floats(-2.0, 2.0), frequency_penalty=st.floats(-2.0, 2.0),
+        logit_bias=st.dictionaries(st.integers(0, vocab - 1), st.floats(-100, 100), max_size=vocab),
+        min_tokens=st.integers(0, 3),
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), seed=st.integers(0, 2**16), scale=st.floats(1e-3, 1e3))
+def test_no_accepted_parameter_makes_the_logits_inf_or_nan(data, seed, scale):
+    """Over every accepted value: the penalised logits stay finite (or -inf where banned), the sampled token
+    has a finite logit and a probability > 0, and a greedy request takes the penalised argmax."""
+    vocab = 12
+    params = data.draw(extreme_params_strategy(vocab))
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, vocab, generator=gen) * scale
+    previous = torch.randint(0, vocab, (3, 6), generator=gen)
+    output = previous[:, 3:]
+    stops = (1, 2)  # banned while the output is shorter than min_tokens
+    x = penalised_logits(logits, params, previous_ids=previous, output_ids=output, stop_ids=stops)
+    assert not x.isnan().any() and not (x == INF).any() and x.isfinite().any(dim=-1).all()
+    ids = sample_next(logits, params, previous_ids=previous, output_ids=output, stop_ids=stops, generator=gen)
+    if params.greedy:
+        assert ids.tolist() == x.argmax(-1).tolist()
+        return
+    f = filtered_logits(x, params)
+    assert not f.isnan().any() and not (f == INF).any()
+    assert f.gather(1, ids[:, None]).isfinite().all()
+    assert (torch.softmax(f, -1).gather(1, ids[:, None]) > 0).all()
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**16), temperature=st.floats(SAMPLING_EPS, 1e-4))
+def test_sampling_becomes_the_argmax_as_the_temperature_goes_to_zero(seed, temperature):
+    """Just above SAMPLING_EPS, a top token ahead by 0.1 holds all the probability float32 can express."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(4, 30, generator=gen)
+    top2 = logits.topk(2, dim=-1)
+    logits.scatter_(1, top2.indices[:, :1], top2.values[:, 1:] + 0.1)  # the gap: 0.1 at least
+    ids = sample_next(logits, SamplingParams(temperature=temperature), generator=gen)
+    assert ids.tolist() == logits.argmax(-1).tolist()

@@ -13,7 +13,7 @@ import pytest
 from server_support import make_char_checkpoint, offline_greedy, running_server, slowed_engine
 
 from mini_transformer.engine import EngineConfig
-from mini_transformer.server.text import DEFAULT_CHAT_TEMPLATE
+from mini_transformer.tokenizer import CHAT_TEMPLATE
 
 MODEL = "tiny"
 
@@ -70,8 +70,8 @@ def test_token_id_prompts(served):
 
 def test_chat_equals_the_offline_engine_through_the_plain_template(served):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-    prompt = "System: Be brief.\nUser: Hi there\nAssistant:"  # DEFAULT_CHAT_TEMPLATE written out
-    assert "Assistant:" in DEFAULT_CHAT_TEMPLATE
+    prompt = "System: Be brief.\nUser: Hi there\nAssistant:"  # CHAT_TEMPLATE written out
+    assert "Assistant:" in CHAT_TEMPLATE
     expected = reference(served, [prompt], 10)[0]
     out = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
     assert out.choices[0].message.role == "assistant"

@@ -86,6 +86,51 @@ def test_echo_prompt_logprobs_are_log_softmax_of_one_forward(served):
     assert scored.choices[0].text.startswith(tok.decode(prompt))
 
 
+def test_prompt_logprobs_in_vllms_format(served):
+    """vLLM's prompt_logprobs=N: per prompt token (the first: null) {token id: {logprob, rank, decoded_token}}
+    for the N most likely and the prompt token itself, == log_softmax of one forward; beside echo's logprobs=1,
+    whose top dicts keep their own N."""
+    tok = served.tokenizer
+    prompt = tok.encode("The cat sat")
+    reference = log_probs(served.model, prompt)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2, "echo": True, "logprobs": 1}
+    choice = served.http.post("/v1/completions", json=body).json()["choices"][0]
+    got = choice["prompt_logprobs"]
+    assert len(got) == len(prompt) and got[0] is None
+    for i in range(1, len(prompt)):
+        top = torch.topk(reference[i - 1], 2)
+        for rank, (value, token) in enumerate(zip(top.values, top.indices, strict=True), start=1):
+            entry = got[i][str(int(token))]
+            assert entry["rank"] == rank and entry["decoded_token"] == tok.decode([int(token)])
+            assert math.isclose(entry["logprob"], float(value), abs_tol=TOL)
+        assert math.isclose(got[i][str(prompt[i])]["logprob"], reference[i - 1, prompt[i]], abs_tol=TOL)
+        assert len(got[i]) in (2, 3) and len(choice["logprobs"]["top_logprobs"][i]) in (1, 2)
+    plain = served.http.post("/v1/completions", json={"model": MODEL, "prompt": "The", "max_tokens": 1}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+    streamed = served.http.post("/v1/completions", json={**body, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_lm_eval_rolling_loglikelihood_request(served):
+    """lm-eval's loglikelihood_rolling: its prefix token is the tokenizer files' BOS (AutoTokenizer's
+    bos_token_id, inside the vocabulary), sent before the document's ids with echo, logprobs=1, max_tokens=1;
+    the document's log-likelihood is the sum of token_logprobs[1:-1]."""
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(served.path))
+    prefix = auto.bos_token_id
+    assert prefix is not None and prefix < served.tokenizer.vocab_size
+    doc = auto("The cat sat on the mat.")["input_ids"]
+    body = {"model": MODEL, "prompt": [[prefix, *doc]], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+            "seed": 1234, "echo": True}
+    response = served.http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    logprobs = response.json()["choices"][0]["logprobs"]["token_logprobs"][1:-1]
+    reference = log_probs(served.model, [prefix, *doc])
+    want = sum(float(reference[i, token]) for i, token in enumerate(doc))
+    assert len(logprobs) == len(doc) and math.isclose(sum(logprobs), want, abs_tol=TOL * len(doc))
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_generated_logprobs_and_top_alternatives(served, stream):
     tok = served.tokenizer
@@ -239,6 +284,23 @@ def test_unknown_model_is_404_model_not_found(served):
     with pytest.raises(openai.NotFoundError) as err:
         served.client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
     assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+
+
+def test_models_retrieve_gives_the_model_and_404_for_another_id(served):
+    card = served.client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model" and card.model_extra["max_model_len"] == 128
+    with pytest.raises(openai.NotFoundError) as err:
+        served.client.models.retrieve("best")
+    assert err.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("field, value", [("echo", True), ("prompt_logprobs", 1), ("prompt_logprobs", 0)])
+def test_chat_refuses_echo_and_prompt_logprobs_rather_than_ignoring_them(served, field, value):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, field: value}
+    response = served.http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == field
+    body[field] = None if field == "prompt_logprobs" else False  # asking for nothing is fine
+    assert served.http.post("/v1/chat/completions", json=body).status_code == 200
 
 
 def test_a_request_that_can_never_fit_is_400_not_429(served):

@@ -219,3 +219,27 @@ def test_saving_keeps_an_existing_tokenizer_config(tmp_path):
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert config["chat_template"] == "{{ x }}" and config["eos_token"] == "a"
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+
+def test_autotokenizer_knows_bos_eos_the_chat_template_and_the_context(tmp_path):
+    """What lm-eval and apply_chat_template read: a BOS (the newline of a character vocabulary, GPT-2's
+    <|endoftext|> for BPE, both inside the model's vocabulary), model_max_length, and the chat template the
+    server renders, giving the same text as the server's TextCodec."""
+    from transformers import AutoTokenizer
+
+    from mini_transformer.server.text import TextCodec
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    char, bpe = CharTokenizer.train(TEXT + "SytemBbfUsHhAn"), BPETokenizer.train(TEXT, vocab_size=300)
+    for name, ours in (("char", char), ("bpe", bpe)):
+        path = tmp_path / name
+        ours.save(path, model_max_length=64)
+        theirs = AutoTokenizer.from_pretrained(str(path))
+        assert theirs.bos_token_id is not None and theirs.bos_token_id == ours.bos_token_id < ours.vocab_size
+        assert theirs.model_max_length == 64 and len(theirs) == ours.vocab_size
+        rendered = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert rendered == TextCodec(path).render_chat(messages) == "System: Be brief.\nUser: Hi there\nAssistant:"
+        assert theirs(rendered)["input_ids"] == ours.encode(rendered)  # no BOS added on encoding
+    assert char.decode([char.bos_token_id]) == "\n" and char.eos_token_id is None
+    assert load_tokenizer(tmp_path / "char").eos_token_id is None  # generation still stops at no character
+    assert bpe.bos_token_id == bpe.eos_token_id == bpe.token_to_id("<|endoftext|>")

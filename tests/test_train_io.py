@@ -359,3 +359,72 @@ def test_a_tokenizer_of_another_size_is_refused_at_load_naming_both(finished_run
     vocab = TransformerLM.from_pretrained(broken).config.vocab_size
     code, err = cli(["sample", "--checkpoint", str(broken), "--prompt", chars[1], "--max-new-tokens", "2"])
     assert code != 0 and f"{vocab + 1} tokens" in err and f"vocab_size is {vocab}" in err, err
+
+
+# --------------------------------------------------------------------------------- resume knows its data
+def edited_copy(corpus, path):
+    path.write_text(corpus.read_text().replace("king", "hear"))  # the same characters: the tokenizer fits
+    return path
+
+
+def test_a_run_records_the_sha256_of_its_data(corpus, finished_run):
+    import hashlib
+
+    want = hashlib.sha256(corpus.read_text().encode("utf-8")).hexdigest()
+    assert load_train_state(finished_run / "last")["data_sha256"] == want
+
+
+def test_resume_refuses_data_edited_in_place_naming_both_hashes(corpus, finished_run, tmp_path):
+    """The data file changed under the run: --resume stops with one line naming both hashes and the flag
+    that overrides; with the flag the run continues on the new text (a warning) and records its hash."""
+    import hashlib
+
+    data = edited_copy(corpus, tmp_path / "corpus.txt")
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    state = load_train_state(out / "last")
+    new = hashlib.sha256(data.read_text().encode("utf-8")).hexdigest()
+    with pytest.raises(ValueError, match=rf"sha256 {new}.*sha256 {state['data_sha256']}.*--allow-data-change"):
+        train(run_config(data, out, max_steps=8), resume=out)
+    code, err = cli(["train", "--resume", str(out), "--max-steps", "8", "--data", str(data)])
+    assert code == 2 and "--allow-data-change" in err and len(err.strip().splitlines()) == 1
+    code, err = cli(["train", "--resume", str(out), "--max-steps", "8", "--data", str(data), "--allow-data-change"])
+    assert code == 0 and "warning: the training data" in err
+    assert load_train_state(out / "last")["data_sha256"] == new
+    assert load_train_state(out / "last")["data_name"] == str(data.resolve())
+
+
+def test_an_explicit_data_on_resume_is_honoured_from_another_directory(corpus, tmp_path, monkeypatch):
+    """--data corpus.txt names another file from the second working directory: that file is read (and,
+    being different, refused), not the first run's file of the same relative name."""
+    monkeypatch.chdir(corpus.parent)
+    out = tmp_path / "run"
+    args = ["train", "--data", corpus.name, "--preset", "tiny", "--set", "max_seq_len=16", "--set", "progress=false",
+            "--set", "num_samples=0", "--set", "eval_batches=1", "--max-steps", "2", "--eval-interval", "2",
+            "--warmup-steps", "1", "--batch-size", "2", "--out", str(out)]
+    assert cli(args)[0] == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    edited_copy(corpus, elsewhere / corpus.name)
+    monkeypatch.chdir(elsewhere)
+    code, err = cli(["train", "--resume", str(out), "--max-steps", "4", "--data", corpus.name])
+    assert code == 2 and str((elsewhere / corpus.name).resolve()) in err and "--allow-data-change" in err
+    assert cli(["train", "--max-steps", "4", "--allow-data-change", "--out", str(tmp_path / "x")])[0] == 2
+
+
+def test_a_save_fsyncs_every_file_then_the_parent_after_the_rename(corpus, finished_run, tmp_path, monkeypatch):
+    synced = []
+
+    def fsync_path(path):
+        synced.append((path, path.is_dir(), (tmp_path / "ckpt").is_dir()))
+
+    monkeypatch.setattr(train_io, "fsync_path", fsync_path)
+    model, tokenizer = TransformerLM.from_pretrained(finished_run / "last"), None
+    from mini_transformer.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(finished_run / "last")
+    train_io.save_checkpoint(tmp_path / "ckpt", model, tokenizer, load_train_state(finished_run / "last"))
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert sorted(p.name for p, is_dir, _ in synced if not is_dir) == files  # every file, before the rename
+    assert all(not renamed for _, _, renamed in synced[:-1])
+    assert synced[-1] == (tmp_path, True, True)  # last: the parent directory, after the rename

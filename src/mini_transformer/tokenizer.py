@@ -5,7 +5,10 @@ Every directory a tokenizer is saved to also gets a Hugging Face `tokenizer.json
 `tokenizer_config.json`, so `transformers.AutoTokenizer.from_pretrained(dir)` (and with it lm-eval,
 guidellm, any HF-speaking tool, offline) gives the same ids as ours. For the character vocabulary that
 file is a word-level model over the characters, each character its own piece, joined back without
-spaces on decoding; ours keeps reading `vocab.json` (it is found first).
+spaces on decoding; ours keeps reading `vocab.json` (it is found first). `tokenizer_config.json` also
+names the BOS/EOS tokens, the context length (`model_max_length`) and the chat template the server renders
+(`CHAT_TEMPLATE`), so `apply_chat_template` and lm-eval's rolling loglikelihood (which starts each window
+after the BOS token) work on our checkpoints.
 """
 
 from __future__ import annotations
@@ -19,6 +22,12 @@ from ._checks import integer, token_ids
 CHAR_VOCAB_FILE = "vocab.json"
 BPE_FILE = "tokenizer.json"
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"  # a Hugging Face directory names its EOS token here
+# The chat template of a checkpoint that names none (the server's, and the one our tokenizers save): one line
+# per message, `Role: content`, and a final `Assistant:` that the model continues.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
 
 
 def _checked_ids(ids, vocab_size: int) -> list[int]:
@@ -42,7 +51,10 @@ class CharTokenizer:
             raise ValueError(f"chars must be distinct, got repeats of {repeated!r}")
         self.chars = list(chars)
         self.stoi = {c: i for i, c in enumerate(self.chars)}
-        self.eos_token_id = None
+        self.eos_token_id = None  # stopping at a character (a newline) would cut every answer short
+        # BOS, the context before a text's first character, is the newline: text starts after one, and a
+        # special token would change the vocabulary, so the model, of every character checkpoint
+        self.bos_token_id = self.stoi.get("\n")
 
     def token_to_id(self, token: str) -> int | None:
         return self.stoi.get(token)
@@ -69,11 +81,11 @@ class CharTokenizer:
     def decode(self, ids) -> str:
         return "".join(self.chars[i] for i in _checked_ids(ids, self.vocab_size))
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, model_max_length: int | None = None) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / CHAR_VOCAB_FILE).write_text(json.dumps({"kind": "char", "chars": self.chars}))
         self.hf_tokenizer().save(str(Path(path) / BPE_FILE))
-        _write_hf_config(Path(path), self)
+        _write_hf_config(Path(path), self, model_max_length)
 
     def hf_tokenizer(self):
         """The same vocabulary as a `tokenizers.Tokenizer`: every character (newlines too) is one piece,
@@ -96,6 +108,7 @@ class BPETokenizer:
         self.tokenizer = tokenizer
         ids = (tokenizer.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>"))
         self.eos_token_id = next((i for i in ids if i is not None), None)
+        self.bos_token_id = self.eos_token_id  # GPT-2's way: one token ends a text and starts the next
 
     @classmethod
     def train(cls, text: str, vocab_size: int) -> BPETokenizer:
@@ -127,23 +140,29 @@ class BPETokenizer:
     def decode(self, ids) -> str:
         return self.tokenizer.decode(_checked_ids(ids, self.vocab_size), skip_special_tokens=False)
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, model_max_length: int | None = None) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
         self.tokenizer.save(str(Path(path) / BPE_FILE))
-        _write_hf_config(Path(path), self)
+        _write_hf_config(Path(path), self, model_max_length)
 
 
-def _write_hf_config(path: Path, tokenizer) -> None:
+def _write_hf_config(path: Path, tokenizer, model_max_length: int | None) -> None:
     """tokenizer_config.json for AutoTokenizer: the fast tokenizer class, no clean-up of spaces on
-    decoding (it would change the text: "a ." -> "a."), and the EOS token when there is one. Keys an
-    existing file already has (a chat template, say) are kept."""
+    decoding (it would change the text: "a ." -> "a."), the BOS and EOS tokens when there are, the chat
+    template the server renders, and the model's context length when given. Keys an existing file already
+    has (another chat template, say) are kept."""
     file = path / HF_TOKENIZER_CONFIG
     config = _read_json(file) if file.is_file() else {}
     config = config if isinstance(config, dict) else {}
     config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     config.setdefault("clean_up_tokenization_spaces", False)
-    if tokenizer.eos_token_id is not None:
-        config.setdefault("eos_token", tokenizer.decode([tokenizer.eos_token_id]))
+    for name in ("bos", "eos"):
+        token_id = getattr(tokenizer, f"{name}_token_id")
+        if token_id is not None:
+            config.setdefault(f"{name}_token", tokenizer.decode([token_id]))
+    config.setdefault("chat_template", CHAT_TEMPLATE)
+    if model_max_length is not None:
+        config["model_max_length"] = model_max_length
     file.write_text(json.dumps(config, ensure_ascii=False, indent=2))
 
 

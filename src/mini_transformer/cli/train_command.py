@@ -46,6 +46,8 @@ def _add_train(sub) -> None:
     p.add_argument("--max-steps", type=int, help="optimizer steps to train (default 2000)")
     p.add_argument("--out", help="run directory (default out/<preset>); checkpoints go to OUT/best and OUT/last")
     p.add_argument("--resume", metavar="DIR", help="continue a run from its directory or a checkpoint directory")
+    p.add_argument("--allow-data-change", action="store_true",
+                   help="with --resume: continue even if the training data's sha256 differs from the run's")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run already in --out (its checkpoints are deleted); default: refuse")
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
@@ -74,6 +76,8 @@ def train_configs_from_args(args):
     given = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in _TRAIN_FLAGS.items()}
     given.update(data=args.data, max_steps=args.max_steps, compile=args.compile, out_dir=args.out, fsdp=args.fsdp)
     given = {**{k: v for k, v in given.items() if v is not None}, **train_set}
+    if args.allow_data_change and not args.resume:
+        raise ValueError("--allow-data-change goes with --resume only: a new run records its data")
     if args.resume:  # the run continues with its saved settings; what is given here overrides them
         from ..training.io import find_checkpoint, load_train_state
 
@@ -81,7 +85,9 @@ def train_configs_from_args(args):
             raise ValueError("--preset cannot be combined with --resume: the model comes from the checkpoint "
                              "(change single fields with --set KEY=VALUE)")
         checkpoint = find_checkpoint(args.resume)
-        saved = load_train_state(checkpoint)["train_config"]
+        state = load_train_state(checkpoint)
+        saved = state["train_config"]
+        given.setdefault("data", state["data_name"])  # the run's own text, by a name found from any directory
         given.setdefault("out_dir", str(checkpoint.parent))  # keep writing next to the checkpoint resumed from
         return _cap_steps(TrainConfig.from_dict({**saved, **given})), model_set
     preset = args.preset or DEFAULT_TRAIN_PRESET
@@ -106,7 +112,8 @@ def _run_train(args) -> None:
     from ..training.loop import train
 
     train_cfg, model_cfg = train_configs_from_args(args)
-    result = train(train_cfg, model_cfg, resume=args.resume, overwrite=args.overwrite)
+    result = train(train_cfg, model_cfg, resume=args.resume, overwrite=args.overwrite,
+                   allow_data_change=args.allow_data_change)
     if int(os.environ.get("RANK", "0")) == 0:
         best = Path(result.out_dir) / "best"
         print(f"best val loss {result.best_val_loss:.4f}; loss curve {Path(result.out_dir) / 'loss.png'}")

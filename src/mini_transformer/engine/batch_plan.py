@@ -38,6 +38,7 @@ class RowValues(NamedTuple):
 
 @functools.lru_cache(maxsize=4096)
 def row_values(params: SamplingParams, vocab_size: int) -> RowValues:
+    # greedy rows (temperature below SAMPLING_EPS, not just 0) take the argmax and never divide by it
     return RowValues(temperature=1.0 if params.greedy else params.temperature,
                      top_k=float(min(params.top_k or vocab_size, vocab_size)),
                      top_p=_TOP_P_OFF if params.top_p in (None, 1.0) else params.top_p,

@@ -28,13 +28,20 @@ from .._checks import boolean, integer, non_negative_int, number, positive_int, 
 from .structured import StructuredOutput
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
+# A temperature below SAMPLING_EPS is greedy, as in vLLM (its _SAMPLING_EPS): dividing by a tinier one
+# overflows float32 to inf, the softmax turns inf into NaN, and the draw returns token 0.
+SAMPLING_EPS = 1e-5
+# The largest temperature and repetition penalty (and the inverse of the smallest penalty): within them,
+# finite logits stay finite through every step of the chain, in float32.
+MAX_SAMPLING_FACTOR = 1e6
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop, for one request (or one `generate` call).
 
-    temperature 0 is greedy (the filters cannot change the argmax, so they are skipped). `max_tokens` new
+    temperature 0 is greedy (the filters cannot change the argmax, so they are skipped), and so is any
+    temperature below SAMPLING_EPS; the largest is MAX_SAMPLING_FACTOR. `max_tokens` new
     tokens at most; a request also stops at any of `stop_token_ids`, and at the model's EOS token unless
     `ignore_eos`. `seed` makes a sampled request reproducible on its own, whatever else runs beside it.
 
@@ -73,7 +80,8 @@ class SamplingParams:
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
-        number("temperature", self.temperature, low=0.0, expected="a finite number >= 0 (0 means greedy)")
+        number("temperature", self.temperature, low=0.0, high=MAX_SAMPLING_FACTOR,
+               expected=f"a finite number >= 0 and <= {MAX_SAMPLING_FACTOR:g} (below {SAMPLING_EPS:g}: greedy)")
         if self.top_k is not None:
             positive_int("top_k", self.top_k)
         if self.top_p is not None:
@@ -81,8 +89,9 @@ class SamplingParams:
         if self.min_p is not None:
             probability("min_p", self.min_p)
         if self.repetition_penalty is not None:
-            number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True,
-                   expected="a finite number > 0 (1 = off)")
+            number("repetition_penalty", self.repetition_penalty, low=1 / MAX_SAMPLING_FACTOR,
+                   high=MAX_SAMPLING_FACTOR,
+                   expected=f"a finite number > 0 in [{1 / MAX_SAMPLING_FACTOR:g}, {MAX_SAMPLING_FACTOR:g}] (1 = off)")
         positive_int("max_tokens", self.max_tokens)
         boolean("ignore_eos", self.ignore_eos)
         if self.seed is not None:
@@ -110,7 +119,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def penalised(self) -> bool:
@@ -156,7 +165,7 @@ def sorted_descending(logits: torch.Tensor) -> torch.Tensor:
 
     The filters need the sorted values only (top-k's and top-p's cuts are thresholds), not the order.
     On the CPU numpy sorts values alone and shares the tensor's memory; torch.sort also builds the
-    permutation, which costs far more than the sort itself on one thread."""
+    permutation, which costs more than the sort itself."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
         return torch.from_numpy(np.sort(logits.numpy(), axis=-1)[:, ::-1].copy())
     return torch.sort(logits, dim=-1, descending=True).values
@@ -219,8 +228,8 @@ def draw_from_probs(weights: torch.Tensor, generator: torch.Generator | None = N
 
 
 def exponential_noise(like: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Exp(1) draws shaped like `like`, as -log(U) with U uniform: on the CPU this is
-    cheaper than Tensor.exponential_. U = 0 gives +inf, a token that loses the race."""
+    """Exp(1) draws shaped like `like`, as -log(U) with U uniform: on the CPU cheaper than
+    Tensor.exponential_. U = 0 gives +inf, a token that loses the race."""
     return torch.empty_like(like, dtype=torch.float32).uniform_(generator=generator).log_().neg_()
 
 
@@ -231,7 +240,7 @@ def sample_from(logits: torch.Tensor, generator: torch.Generator | None = None) 
 
 
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(B, V) logits -> (B, V) float logits a sampled request (temperature > 0) draws from: temperature,
+    """(B, V) logits -> (B, V) float logits a sampled request (not greedy) draws from: temperature,
     then top-k, top-p, min-p; dropped tokens are -inf. The repetition penalty is not here (it needs the
     tokens seen so far): sample_next applies it first. Speculative decoding uses this same chain."""
     assert not params.greedy, "greedy decoding takes the argmax; there is nothing to filter"

@@ -4,6 +4,7 @@
     GET  /health               200 while serving, 503 while shutting down or once the engine thread is gone
     GET  /metrics              Prometheus text format
     GET  /v1/models            the one model served
+    GET  /v1/models/{id}       that model (404 for another id)
     POST /v1/completions       text, texts or token ids; streamed (SSE) or not
     POST /v1/chat/completions  messages through the chat template; streamed (SSE) or not
     GET  /v1/engine/state      queues, block tables and the pool (JSON; ?stream=true for SSE, a stream that
@@ -32,7 +33,7 @@ from . import protocol as P
 from .engine_loop import EngineLoop
 from .errors import install_error_handlers
 from .generation import ClientGone, Generation, Options
-from .logprobs import CompletionLogprobs, chat_logprobs
+from .logprobs import CompletionLogprobs, chat_logprobs, prompt_logprobs_json, scored
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from .schema import METRICS_CONTENT, describe, install_openapi
@@ -122,6 +123,11 @@ def _add_status_routes(app: FastAPI, ctx: ServerContext, require_key: Callable) 
     async def models():
         return P.models_response(ctx.model_name, ctx.max_model_len)
 
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_key)], **describe("model"))
+    async def model(model_id: str):
+        _check_model(ctx, model_id)
+        return P.model_card(ctx.model_name, ctx.max_model_len)
+
 
 def _add_generation_routes(app: FastAPI, ctx: ServerContext, require_key: Callable) -> None:
     @app.post("/v1/completions", dependencies=[Depends(require_key)], **describe("completions"))
@@ -133,7 +139,9 @@ def _add_generation_routes(app: FastAPI, ctx: ServerContext, require_key: Callab
         if score_only and not body.echo:
             raise ErrorResponse(400, "max_tokens=0 needs echo=true (it returns the prompt and generates nothing)",
                                 param="max_tokens")
-        prompt_logprobs = body.logprobs if body.echo else None
+        # the engine scores the prompt once, for echo's logprobs and prompt_logprobs: the larger N serves both
+        wanted = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None]
+        prompt_logprobs = max(wanted, default=None)
         structured = check_structured(ctx.engine_loop.engine, body)
         params = [[body.sampling_params(max(max_tokens, 1), j, ctx.vocab_size, logprobs=body.logprobs,
                                         prompt_logprobs=prompt_logprobs, structured=structured)
@@ -186,10 +194,14 @@ def _add_state_route(app: FastAPI, ctx: ServerContext, require_key: Callable) ->
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _check_common(ctx: ServerContext, body) -> None:
-    if body.model != ctx.model_name:  # 404, as OpenAI and vLLM answer (the client raises NotFoundError)
-        raise ErrorResponse(404, f"model {body.model!r} does not exist; this server serves {ctx.model_name!r}",
+def _check_model(ctx: ServerContext, model: str) -> None:
+    if model != ctx.model_name:  # 404, as OpenAI and vLLM answer (the client raises NotFoundError)
+        raise ErrorResponse(404, f"model {model!r} does not exist; this server serves {ctx.model_name!r}",
                             param="model", code="model_not_found")
+
+
+def _check_common(ctx: ServerContext, body) -> None:
+    _check_model(ctx, body.model)
     body.check_supported()
 
 
@@ -247,8 +259,13 @@ async def _respond(gen: Generation, body, request: Request, ctx: ServerContext, 
         use = P.usage(gen.prompt_tokens, gen.completion_tokens)
         logprobs = [_logprobs_json(ctx, gen, c.tokens, chat, CompletionLogprobs(ctx.codec.token_text))
                     for c in choices]
-        build = P.chat_response if chat else P.completion_response
-        return build(rid, ctx.model_name, [(c.out, c.finish_reason) for c in choices], logprobs, use)
+        texts = [(c.out, c.finish_reason) for c in choices]
+        if chat:
+            return P.chat_response(rid, ctx.model_name, texts, logprobs, use)
+        prompt_logprobs = None if body.prompt_logprobs is None else [
+            prompt_logprobs_json(scored(c.prompt, c.prompt_entries), body.prompt_logprobs, ctx.codec.token_text)
+            for c in choices]
+        return P.completion_response(rid, ctx.model_name, texts, logprobs, use, prompt_logprobs)
     return ClosingStreamingResponse(_stream(gen, body, rid, ctx, chat), on_close=gen.close,
                                     media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

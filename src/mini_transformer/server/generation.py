@@ -163,7 +163,8 @@ class Generation:
             return "", []
         choice.echoed = True
         tokens = scored(choice.prompt, choice.prompt_entries) if self.options.logprobs else []
-        return self.codec.decode(choice.prompt), tokens
+        n = choice.params.logprobs or 0  # the engine may score more alternatives, for prompt_logprobs
+        return self.codec.decode(choice.prompt), [t._replace(top=t.top[:n]) for t in tokens]
 
     def _sent(self, index: int, text: str, finish: str | None, tokens: list[Scored]) -> Event:
         choice = self.choices[index]

@@ -9,6 +9,11 @@ entry is None. Here a token is a `Scored(token_id, logprob | None, top)` and bec
                          "text_offset": [int]}                      (the chosen token is always in its top dict)
   /v1/chat/completions  {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}
 
+With prompt_logprobs=N (vLLM's field, /v1/completions) each choice also gets vLLM's list: None for the
+first prompt token, then per token {str(token id): {"logprob", "rank", "decoded_token"}} for the N most
+likely and the prompt token itself; rank counts from 1 among the N, and is null for a prompt token
+outside them (the engine keeps no rank past the top N).
+
 JSON has no -inf, so a logprob is clamped at -9999.0 (as vLLM does). A token's string is the tokenizer's
 decoding of that token alone (for byte-level BPE it may be a piece of a character: U+FFFD), and
 text_offset is the running sum of those strings' lengths, which equals the true offset in the text
@@ -79,3 +84,20 @@ def chat_logprobs(tokens: list[Scored], token_text) -> dict:
 
     return {"content": [{**item(t.token_id, t.logprob), "top_logprobs": [item(i, lp) for i, lp in t.top]}
                         for t in tokens]}
+
+
+def prompt_logprobs_json(tokens: list[Scored], n: int, token_text) -> list[dict | None]:
+    """vLLM's prompt_logprobs of one prompt: the n most likely tokens at each position, and the prompt's."""
+
+    def entry(token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": clamp(logprob), "rank": rank, "decoded_token": token_text(token_id)}
+
+    out: list[dict | None] = []
+    for token in tokens:
+        if token.logprob is None:
+            out.append(None)
+            continue
+        at = {str(i): entry(i, lp, rank) for rank, (i, lp) in enumerate(token.top[:n], start=1)}
+        at.setdefault(str(token.token_id), entry(token.token_id, token.logprob, None))
+        out.append(at)
+    return out

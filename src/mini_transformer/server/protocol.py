@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from ..inference.sampling import SamplingParams
+from ..inference.sampling import MAX_SAMPLING_FACTOR, SamplingParams
 
 
 class ErrorResponse(Exception):
@@ -78,7 +78,7 @@ class _SamplingFields(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Int(ge=-1, le=2**31 - 1) | None = None  # -1 or 0: off (vLLM's convention)
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=1e6)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=1 / MAX_SAMPLING_FACTOR, le=MAX_SAMPLING_FACTOR)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     # OpenAI's keys are token ids written as strings; values in [-100, 100]
@@ -163,6 +163,12 @@ class CompletionRequest(_SamplingFields):
     prompt: Text | Texts | TokenIds | TokenIdLists
     echo: bool = False  # the prompt comes back in front of the text (and its logprobs with logprobs=N)
     logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
+    prompt_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None  # vLLM's: each prompt token's, by token id
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.prompt_logprobs is not None and self.stream:
+            raise ErrorResponse(400, "prompt_logprobs is not supported with stream=true", param="prompt_logprobs")
 
 
 class TextPart(BaseModel):
@@ -193,6 +199,15 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
 
+    def check_supported(self) -> None:
+        """Fields of vLLM's chat request that this server does not honour on chat: a 400, never ignored."""
+        super().check_supported()
+        for name in ("echo", "prompt_logprobs"):
+            value = (self.model_extra or {}).get(name)
+            if value is not None and value is not False:  # echo=false asks for nothing
+                raise ErrorResponse(400, f"{name} is not supported on chat completions (/v1/completions has it)",
+                                    param=name)
+
 
 # ------------------------------------------------------------------------------------ responses
 def new_id(prefix: str) -> str:
@@ -208,12 +223,17 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_response(rid: str, model: str, choices: list[tuple[str, str]], logprobs: list, use: dict) -> dict:
-    """choices: (text, finish_reason) in choice order; logprobs: each choice's logprobs object or None."""
-    return {"id": rid, "object": "text_completion", "created": now(), "model": model,
-            "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
-                        for i, ((text, finish), lp) in enumerate(zip(choices, logprobs, strict=True))],
-            "usage": use}
+def completion_response(rid: str, model: str, choices: list[tuple[str, str]], logprobs: list, use: dict,
+                        prompt_logprobs: list | None = None) -> dict:
+    """choices: (text, finish_reason) in choice order; logprobs: each choice's logprobs object or None;
+    prompt_logprobs: each choice's vLLM prompt_logprobs list, when the request asked for them."""
+    out = {"id": rid, "object": "text_completion", "created": now(), "model": model,
+           "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+                       for i, ((text, finish), lp) in enumerate(zip(choices, logprobs, strict=True))],
+           "usage": use}
+    for choice, prompt in zip(out["choices"], prompt_logprobs or (), strict=False):
+        choice["prompt_logprobs"] = prompt
+    return out
 
 
 def completion_chunk(rid: str, model: str, created: int, index: int, text: str, logprobs: dict | None,
@@ -249,6 +269,10 @@ def usage_chunk(rid: str, obj: str, model: str, created: int, use: dict) -> dict
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
 
 
+def model_card(model: str, max_model_len: int) -> dict:
+    return {"id": model, "object": "model", "created": now(), "owned_by": "mini-transformer",
+            "max_model_len": max_model_len}
+
+
 def models_response(model: str, max_model_len: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": now(),
-                                        "owned_by": "mini-transformer", "max_model_len": max_model_len}]}
+    return {"object": "list", "data": [model_card(model, max_model_len)]}

@@ -47,11 +47,19 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None  # among the N asked for; null for a prompt token outside them
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    # with prompt_logprobs=N (vLLM's field): null for the first prompt token, then token id -> its logprob
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -166,6 +174,7 @@ _ROUTES: dict[str, tuple[type[BaseModel], str | None, tuple[int, ...]]] = {
     "health": (Health, None, ()),
     "metrics": (None, METRICS_CONTENT, ()),
     "models": (ModelList, None, (401,)),
+    "model": (ModelCard, None, (401, 404)),
     "completions": (CompletionResponse, SSE_CONTENT, (400, 401, 404, 429, 500, 503)),
     "chat": (ChatCompletionResponse, SSE_CONTENT, (400, 401, 404, 429, 500, 503)),
     "state": (EngineState, None, (401,)),

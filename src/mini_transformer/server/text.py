@@ -4,7 +4,8 @@ growing list of token ids into text pieces for a stream, cutting at stop strings
 Chat template: a Hugging Face directory whose tokenizer_config.json has `chat_template` is rendered with
 Jinja exactly as `transformers` does (a sandboxed environment, trim_blocks and lstrip_blocks, the
 variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token` and `raise_exception`).
-Without one, the documented plain template `DEFAULT_CHAT_TEMPLATE` below is used:
+Without one, the documented plain template `CHAT_TEMPLATE` (tokenizer.py, which saves it with every
+tokenizer) is used:
 
     System: You are terse.
     User: Hello
@@ -18,13 +19,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..tokenizer import IncrementalDecoder, load_tokenizer
+from ..tokenizer import CHAT_TEMPLATE, IncrementalDecoder, load_tokenizer
 from .protocol import ErrorResponse
-
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}"
-)
 
 
 def _token_text(value) -> str | None:
@@ -45,7 +41,7 @@ class TextCodec:
         template = config.get("chat_template")
         if isinstance(template, list):  # several named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
-        self.chat_template_source = template or DEFAULT_CHAT_TEMPLATE
+        self.chat_template_source = template or CHAT_TEMPLATE
         self.bos_token = _token_text(config.get("bos_token")) or ""
         self.eos_token = _token_text(config.get("eos_token")) or ""
         self.eos_token_id = self.tokenizer.eos_token_id  # found by load_tokenizer, as the CLI finds it

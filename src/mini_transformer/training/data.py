@@ -39,6 +39,11 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def text_sha256(text: str) -> str:
+    """The sha256 of the text's UTF-8 bytes: what a run records, so a resumed run knows its data."""
+    return _sha256(text.encode("utf-8"))
+
+
 def _fetch(url: str) -> bytes:
     """Download `url` (the only network access in the project). Tests replace this function."""
     if os.environ.get("MINI_TRANSFORMER_OFFLINE"):

@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -70,12 +71,23 @@ def remove_leftovers(run_dir: str | Path) -> list[Path]:
     return removed
 
 
+def fsync_path(path: Path) -> None:
+    """Ask the OS to put a file, or a directory's list of names, on the disk now."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(path: str | Path, model: torch.nn.Module, tokenizer, state: dict) -> None:
     """Write a complete checkpoint directory: weights, config, tokenizer, training state, manifest.
 
     Everything goes to a temporary sibling directory first, which is then renamed into place, so a
     kill at any moment leaves either the previous checkpoint or the new one, never half of each. The
     manifest (sha256 of every file) is written last, and temporaries of earlier killed saves are removed.
+    The files and the temporary directory are fsynced before the renames, and the parent directory after
+    them: a power cut, not only a kill, then leaves one whole checkpoint.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
@@ -84,14 +96,18 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, tokenizer, state: 
     shutil.rmtree(tmp, ignore_errors=True)
     model = unwrap(model)
     write_checkpoint(tmp, model.config, model.state_dict(), manifest=False)  # strips DDP/compile prefixes
-    tokenizer.save(tmp)
+    tokenizer.save(tmp, model_max_length=model.config.max_seq_len)
     torch.save(state, tmp / TRAIN_STATE_FILE)
     (tmp / TRAIN_CONFIG_FILE).write_text(json.dumps(state.get("train_config", {}), indent=2))
     write_manifest(tmp)  # last: the sha256 of every file above
+    for file in sorted(tmp.iterdir()):  # on the disk before the renames make them the checkpoint
+        fsync_path(file)
+    fsync_path(tmp)
     if path.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)  # two renames: between them only `.old` exists, and loaders use it
     os.replace(tmp, path)
+    fsync_path(path.parent)  # the renames themselves
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -197,6 +213,19 @@ def finish_run(cfg, model, tokenizer, text: str, losses, evals, out_dir: Path, d
     (out_dir / "samples.txt").write_text("\n\n-----\n\n".join(samples), encoding="utf-8")
     if cfg.progress:
         print("\n-----\n".join(samples))
+
+
+def check_same_data(state: dict, data_sha256: str, data_name: str, ckpt: Path, allow_change: bool) -> None:
+    """A resumed run trains on the text its checkpoint recorded (by sha256), unless `allow_change`, which
+    continues on the new text with a warning. A checkpoint that recorded no hash has nothing to compare."""
+    saved = state.get("data_sha256")
+    if saved is None or saved == data_sha256:
+        return
+    change = (f"the training data {data_name} has sha256 {data_sha256}, but the run in {ckpt} was trained on "
+              f"{state['data_name']} with sha256 {saved}")
+    if not allow_change:
+        raise ValueError(f"{change}; pass --allow-data-change (allow_data_change=True) to continue on the new data")
+    print(f"warning: {change}; continuing on the new data", file=sys.stderr)
 
 
 def check_resumable(cfg: TrainConfig, state: dict, ckpt: Path) -> None:

@@ -12,6 +12,7 @@ manifest.json (the sha256 of each file, checked whenever the checkpoint is loade
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -22,15 +23,16 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from .._checks import instance
+from .._checks import boolean, instance
 from ..config import TransformerConfig
 from ..model.transformer import TransformerLM
 from ..tokenizer import build_tokenizer, check_vocab_size, load_tokenizer
 from .config import TrainConfig
-from .data import get_batch, load_text, split_tokens
+from .data import get_batch, load_text, split_tokens, text_sha256
 from .io import (
     TrainingDiverged,
     check_resumable,
+    check_same_data,
     find_checkpoint,
     finish_run,
     load_train_state,
@@ -79,7 +81,7 @@ def estimate_loss(model, splits: dict, cfg: TrainConfig, block_size: int, device
     return out
 
 
-def _prepare(cfg: TrainConfig, model_cfg: TransformerConfig | None, ckpt: Path | None):
+def _prepare(cfg: TrainConfig, model_cfg: TransformerConfig | None, ckpt: Path | None, allow_data_change: bool):
     """Text, tokenizer, model and (when resuming from the checkpoint `ckpt`) the saved training state."""
     if ckpt is not None:
         if model_cfg is not None and not isinstance(model_cfg, dict):
@@ -89,11 +91,11 @@ def _prepare(cfg: TrainConfig, model_cfg: TransformerConfig | None, ckpt: Path |
         tokenizer = load_tokenizer(ckpt)
         model = TransformerLM.from_pretrained(ckpt, **(model_cfg or {}))
         check_vocab_size(tokenizer, model.config.vocab_size, ckpt)
-        # the saved run's own data unless another is given: data_name is an absolute path (found from any
-        # working directory), where the saved --data may be relative to the first run's
-        same_data = cfg.data is None or cfg.data == state["train_config"].get("data")
-        text, _ = load_text(state["data_name"] if same_data else cfg.data)
-        return text, tokenizer, model, state
+        # the data given, else the saved run's own: data_name is an absolute path (found from any working
+        # directory); either way its sha256 must be the one the run recorded
+        text, data_name = load_text(state["data_name"] if cfg.data is None else cfg.data)
+        check_same_data(state, text_sha256(text), data_name, ckpt, allow_data_change)
+        return text, tokenizer, model, {**state, "data_name": data_name}
     if model_cfg is None:
         model_cfg = TransformerConfig.from_preset("shakespeare-char")
     instance("model_cfg", model_cfg, TransformerConfig)
@@ -104,11 +106,14 @@ def _prepare(cfg: TrainConfig, model_cfg: TransformerConfig | None, ckpt: Path |
 
 
 def train(cfg: TrainConfig, model_cfg: TransformerConfig | dict | None = None, *, resume=None,
-          overwrite: bool = False) -> TrainResult:
+          overwrite: bool = False, allow_data_change: bool = False) -> TrainResult:
     """Train a model and return it with its loss history. `model_cfg` is a TransformerConfig for a new
     run (vocab_size is taken from the tokenizer) or, with `resume`, a dict of config overrides.
-    A new run refuses an out_dir that already holds one unless `overwrite=True`."""
+    A new run refuses an out_dir that already holds one unless `overwrite=True`. A resumed run trains on
+    `cfg.data` (None: the run's own data) and refuses a text whose sha256 is not the recorded one unless
+    `allow_data_change=True`."""
     instance("cfg", cfg, TrainConfig)
+    boolean("allow_data_change", allow_data_change)
     if cfg.fsdp and (int(os.environ.get("WORLD_SIZE", "1")) < 2 or cfg.compile):
         raise ValueError("fsdp=True needs torchrun with at least 2 processes (WORLD_SIZE >= 2) and no compile")
     ckpt = None if resume is None else find_checkpoint(resume)  # verified against its manifest
@@ -121,7 +126,7 @@ def train(cfg: TrainConfig, model_cfg: TransformerConfig | dict | None = None, *
         if rank == 0:  # a resumed run may write only into its own directory, unless told to replace another
             other_run = ckpt is None or Path(cfg.out_dir).resolve() != ckpt.parent.resolve()
             prepare_out_dir(cfg.out_dir, fresh=other_run, overwrite=overwrite)
-        result = _train(_start(cfg, model_cfg, ckpt, rank, world_size, device))
+        result = _train(_start(cfg, model_cfg, ckpt, rank, world_size, device, allow_data_change))
         finished = True
         return result
     finally:
@@ -181,6 +186,10 @@ class _Run:
     def tokens_per_step(self) -> int:
         return self.cfg.batch_size * self.block_size * self.cfg.grad_accum_steps * self.data_ranks
 
+    @functools.cached_property
+    def data_sha256(self) -> str:  # recorded in every checkpoint: a resumed run checks its data against it
+        return text_sha256(self.text)
+
     def amp(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype else contextlib.nullcontext()
 
@@ -197,7 +206,8 @@ class _Run:
             "scaler": self.scaler.state_dict(),
             "batch_rng": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(self.device) if cuda else None,
-            "train_config": self.cfg.to_dict(), "data_name": self.data_name, "world_size": self.world_size,
+            "train_config": self.cfg.to_dict(), "data_name": self.data_name, "data_sha256": self.data_sha256,
+            "world_size": self.world_size,
         }
 
     def restore(self, state: dict) -> None:
@@ -249,10 +259,11 @@ class _Run:
         )
 
 
-def _start(cfg: TrainConfig, model_cfg, ckpt: Path | None, rank: int, world_size: int, device) -> _Run:
+def _start(cfg: TrainConfig, model_cfg, ckpt: Path | None, rank: int, world_size: int, device,
+           allow_data_change: bool = False) -> _Run:
     """Data, model, optimizer and RNGs of a new run, or of one resumed from `ckpt` restored exactly."""
     torch.manual_seed(cfg.seed)  # same init and same dropout stream on every rank (DDP checks nothing)
-    text, tokenizer, model, state = _prepare(cfg, model_cfg, ckpt)
+    text, tokenizer, model, state = _prepare(cfg, model_cfg, ckpt, allow_data_change)
     block_size = cfg.block_size or model.config.max_seq_len
     if block_size > model.config.max_seq_len:
         raise ValueError(f"block_size={block_size} exceeds the model's max_seq_len={model.config.max_seq_len}")
