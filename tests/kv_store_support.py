@@ -68,7 +68,7 @@ def kv_block_bytes(model, block_size: int) -> int:
 
 
 def value_bytes(model, block_size: int) -> int:
-    """A stored value: 29 header bytes, the token ids (int64), the K/V, a 16-byte checksum."""
+    """A stored value: 29 header bytes, the token ids (int64), the K/V, a 16-byte MAC."""
     return 29 + 8 * block_size + kv_block_bytes(model, block_size) + 16
 
 

@@ -1,8 +1,9 @@
 """The KV connector against generate() alone: with a host tier, a Redis tier or both, with device-pool
 evictions forcing loads, every greedy output is the reference's, token for token. A second engine in
 another process computes only the tail after the blocks the first one stored. Another model's blocks
-are never found; a collided, foreign or damaged entry is a counted miss, never used. The Redis tests run
-a real redis-server (they skip without it); the tiers' own behaviour and faults: test_engine_kv_tiers.py."""
+are never found; a collided, foreign, damaged, forged or replayed entry is a counted miss, never used,
+and engines sharing a secret share their blocks. The Redis tests run a real redis-server (they skip
+without it); the tiers' own behaviour and faults: test_engine_kv_tiers.py; one entry: test_engine_kv_entry.py."""
 
 from __future__ import annotations
 
@@ -210,7 +211,7 @@ def forged(value: bytes, key: bytes, how: str, model) -> bytes:
     if how == "planted":  # the project's own encoder, no secret: another prompt's K/V under this key
         return encode_block(head[5:21], 4, array("q", head[29:]).tolist(), torch.randn(kv.shape), store_key=key)
     changed = (torch.zeros_like(kv) if how == "zeroed" else -kv).numpy().tobytes()
-    return head + changed + hashlib.blake2b(head + changed, digest_size=DIGEST).digest()  # the old checksum
+    return head + changed + hashlib.blake2b(head + changed, digest_size=DIGEST).digest()  # an unkeyed checksum
 
 
 @pytest.mark.parametrize("how", ["zeroed", "negated", "planted", "wrong secret", "replayed"])

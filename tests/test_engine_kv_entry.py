@@ -42,8 +42,8 @@ def test_wrong_or_absent_secret_and_another_key_are_refused():
 
 @pytest.mark.parametrize("forge", ["zeroed", "negated"])
 def test_changed_kv_with_a_recomputed_digest_is_refused(forge):
-    """The K/V changed in place and the digest recomputed as anyone without the secret can: the old
-    unkeyed blake2b of the value, and this format's digest with no secret."""
+    """The K/V changed in place and the digest recomputed as anyone without the secret can: an
+    unkeyed blake2b checksum of the value, and this format's digest with no secret."""
     kv = torch.randn(2, 2, 4, 2, 8)
     value = signed(kv)
     head = value[:len(value) - DIGEST - kv.numel() * 4]
