@@ -107,6 +107,9 @@ def test_the_store_secret_from_a_file_or_the_environment(tmp_path, monkeypatch):
     assert kv_store_secret_from(None) == b"a secret from the environment"
     (tmp_path / "secret").write_text("a secret from a file, shared\n")
     assert kv_store_secret_from(tmp_path / "secret") == b"a secret from a file, shared"
+    monkeypatch.setenv(KV_STORE_SECRET_ENV, "short")
+    with pytest.raises(ValueError, match=f"{KV_STORE_SECRET_ENV} holds 5 bytes"):
+        kv_store_secret_from(None)
 
 
 def test_an_unsigned_store_says_so_in_one_line(capsys):

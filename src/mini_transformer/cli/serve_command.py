@@ -48,6 +48,8 @@ def _run_serve(args) -> None:
     integer("--port", args.port, low=0, high=65535)
     api_key = api_key_from(args.api_key, args.api_key_file)
     kv_store_secret = kv_store_secret_from(args.kv_store_secret_file)
+    if (warning := exposure_warning(args.host, api_key)) is not None:
+        print(warning, file=sys.stderr, flush=True)
     model = None  # build_context loads a float32 checkpoint itself
     if args.quantize or args.dtype != "float32":
         model = load_model(resolve_checkpoint_dir(args.checkpoint), args.device, args)
@@ -56,8 +58,6 @@ def _run_serve(args) -> None:
     ctx = build_context(args.checkpoint, config=config, model=model, model_name=args.model_name,
                         api_key=api_key, max_waiting=args.max_waiting, device=args.device, kv_store=args.kv_store,
                         host_kv_bytes=args.host_kv_bytes, kv_store_secret=kv_store_secret, warm_up=args.warm_up)
-    if (warning := exposure_warning(args.host, api_key)) is not None:
-        print(warning, file=sys.stderr, flush=True)
     print(f"serving {ctx.model_name!r} on http://{args.host}:{args.port} (live page at /, API under /v1)",
           flush=True)
     serve(ctx, host=args.host, port=args.port, log_level=args.log_level, host_names=tuple(args.allowed_hosts))

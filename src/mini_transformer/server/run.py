@@ -142,7 +142,12 @@ def api_key_from(api_key: str | None, api_key_file: str | Path | None) -> str | 
 
 def kv_store_secret_from(secret_file: str | Path | None) -> bytes | None:
     """The KV store's shared secret: --kv-store-secret-file, else KV_STORE_SECRET_ENV, else None."""
+    from ..engine.kv_entry import MIN_SECRET_BYTES
+
     secret = read_secret("--kv-store-secret-file", secret_file, KV_STORE_SECRET_ENV)
+    if secret is not None and len(secret.encode()) < MIN_SECRET_BYTES:
+        where = f"--kv-store-secret-file {secret_file}" if secret_file is not None else KV_STORE_SECRET_ENV
+        raise ValueError(f"{where} holds {len(secret.encode())} bytes; the secret needs at least {MIN_SECRET_BYTES}")
     return None if secret is None else secret.encode()
 
 
