@@ -68,7 +68,7 @@ def kv_block_bytes(model, block_size: int) -> int:
 
 
 def value_bytes(model, block_size: int) -> int:
-    """A stored value: 29 header bytes, the token ids (int64), the K/V, a 16-byte checksum."""
+    """A stored value: 29 header bytes, the token ids (int64), the K/V, a 16-byte MAC."""
     return 29 + 8 * block_size + kv_block_bytes(model, block_size) + 16
 
 
@@ -88,11 +88,12 @@ def require_redis_server() -> str:
 
 
 class RedisServer:
-    """`redis-server --port N --save '' --dir tmp`; start(), stop(), kill(), pause()/resume() (SIGSTOP)."""
+    """`redis-server --port N --save '' --dir tmp` (with `--requirepass P` when given a password); start(),
+    stop(), kill(), pause()/resume() (SIGSTOP)."""
 
-    def __init__(self, directory, port: int | None = None):
+    def __init__(self, directory, port: int | None = None, password: str | None = None):
         self.binary = require_redis_server()
-        self.directory, self.port = directory, port or free_port()
+        self.directory, self.port, self.password = directory, port or free_port(), password
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -102,12 +103,14 @@ class RedisServer:
     def client(self):
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, socket_connect_timeout=5)
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5,
+                           socket_connect_timeout=5)
 
     def start(self) -> RedisServer:
+        auth = [] if self.password is None else ["--requirepass", self.password]
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             "--dir", str(self.directory), *auth], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             try:

@@ -1,14 +1,17 @@
 """The KV connector against generate() alone: with a host tier, a Redis tier or both, with device-pool
 evictions forcing loads, every greedy output is the reference's, token for token. A second engine in
 another process computes only the tail after the blocks the first one stored. Another model's blocks
-are never found; a collided, foreign or damaged entry is a counted miss, never used. The Redis tests run
-a real redis-server (they skip without it); the tiers' own behaviour and faults: test_engine_kv_tiers.py."""
+are never found; a collided, foreign, damaged, forged or replayed entry is a counted miss, never used,
+and engines sharing a secret share their blocks. The Redis tests run a real redis-server (they skip
+without it); the tiers' own behaviour and faults: test_engine_kv_tiers.py; one entry: test_engine_kv_entry.py."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
+from array import array
 
 import pytest
 import torch
@@ -25,7 +28,8 @@ from kv_store_support import (
 )
 
 from mini_transformer.engine import EngineConfig, LLMEngine
-from mini_transformer.engine.kv_connector import KVConnector, decode_block, encode_block
+from mini_transformer.engine.kv_connector import KVConnector
+from mini_transformer.engine.kv_entry import DIGEST, decode_block, encode_block
 from mini_transformer.engine.kv_tiers import HostTier, RedisTier
 
 
@@ -184,3 +188,87 @@ def test_decode_block_checks_every_field():
         damaged[i] ^= 0x10
         assert decode_block(bytes(damaged), b"f" * 16, [1, 2, 3, 4], kv.shape, kv.dtype) is None
     assert decode_block(value[:-1], b"f" * 16, [1, 2, 3, 4], kv.shape, kv.dtype) is None
+
+
+# ------------------------------------------------------------------------------ signed entries
+SECRET = b"the replicas' shared secret"
+
+
+def signed_prompt_entries(model, tier):
+    """The prompts served once by an engine signing with SECRET: `tier` holds their blocks."""
+    prompts, _ = prompts_and_fillers()
+    saver = small_engine(model, 4, KVConnector([tier], secret=SECRET))
+    saver.generate(prompts, PARAMS, use_tqdm=False)
+    saver.kv_connector.flush()
+    return prompts, saver.kv_connector
+
+
+def forged(value: bytes, key: bytes, how: str, model) -> bytes:
+    """`value` changed as someone who can write to the store but lacks the secret would change it."""
+    kv_bytes = kv_block_bytes(model, 4)
+    head, body = value[:len(value) - DIGEST - kv_bytes], value[-DIGEST - kv_bytes:-DIGEST]
+    kv = torch.frombuffer(bytearray(body), dtype=torch.float32)
+    if how == "planted":  # the project's own encoder, no secret: another prompt's K/V under this key
+        return encode_block(head[5:21], 4, array("q", head[29:]).tolist(), torch.randn(kv.shape), store_key=key)
+    changed = (torch.zeros_like(kv) if how == "zeroed" else -kv).numpy().tobytes()
+    return head + changed + hashlib.blake2b(head + changed, digest_size=DIGEST).digest()  # an unkeyed checksum
+
+
+@pytest.mark.parametrize("how", ["zeroed", "negated", "planted", "wrong secret", "replayed"])
+def test_forged_planted_and_replayed_entries_are_refused(model, expected, how):
+    prompts, saver = signed_prompt_entries(model, HostTier(1 << 20))
+    keys = saver.keys(engine_sequence(prompts[0]), 8)
+    values = saver.tiers[0].get_many(keys)
+    tier = HostTier(1 << 20)
+    for i, (key, value) in enumerate(zip(keys, values, strict=True)):
+        if how == "replayed":  # a real entry, under the key of the block after it
+            tier.put(keys[(i + 1) % len(keys)], value)
+        else:
+            tier.put(key, forged(value, key, how, model) if how != "wrong secret" else value)
+    engine = small_engine(model, 4, KVConnector([tier], secret=b"another secret, as long" if how == "wrong secret"
+                                                else SECRET))
+    assert engine.generate(prompts, PARAMS, use_tqdm=False) == expected
+    stats = engine.stats()
+    assert stats["kv_store_verify_failures"] >= 1 and stats["kv_store_hit_blocks"] == 0
+
+
+def test_a_replayed_block_with_the_same_tokens_is_refused(model):
+    """The same four tokens after two different prefixes: their K/V differ, their token ids do not. Only
+    the MAC over the store key tells one's entry from the other's."""
+    block, gen = [7, 8, 9, 10], torch.Generator().manual_seed(5)
+    first = torch.randint(0, 50, (8,), generator=gen).tolist() + block + [1, 2]
+    second = torch.randint(0, 50, (8,), generator=gen).tolist() + block + [3, 4]
+    tier = HostTier(1 << 20)
+    saver = small_engine(model, 4, KVConnector([tier], secret=SECRET))
+    saver.generate([first, second[:8] + [0, 0, 0, 0, 5]], PARAMS, use_tqdm=False)  # second's blocks 0, 1
+    saver.kv_connector.flush()
+    first_key, second_key = (saver.kv_connector.keys(engine_sequence(p), 3)[2] for p in (first, second))
+    tier.put(second_key, tier.get_many([first_key])[0])  # first's block 2 under second's key
+    engine = small_engine(model, 4, KVConnector([tier], secret=SECRET))
+    assert engine.generate([second], PARAMS, use_tqdm=False) == reference(model, [second])
+    stats = engine.stats()
+    assert stats["kv_store_verify_failures"] == 1 and stats["kv_store_hit_blocks"] == 2
+
+
+def test_engines_sharing_the_secret_share_prefixes(model, expected):
+    prompts, saver = signed_prompt_entries(model, HostTier(1 << 20))
+    engine = small_engine(model, 4, KVConnector(saver.tiers, secret=SECRET))
+    assert engine.generate(prompts, PARAMS, use_tqdm=False) == expected
+    stats = engine.stats()
+    assert stats["kv_store_hit_blocks"] > 0 and stats["kv_store_verify_failures"] == 0
+
+
+def test_signed_entries_through_redis(model, expected, empty_redis):
+    """A replica with the secret reads what another one signed into Redis; an entry planted there with
+    the project's own encoder but no secret is refused."""
+    prompts, saver = signed_prompt_entries(model, RedisTier(empty_redis.url))
+    engine = small_engine(model, 4, KVConnector([RedisTier(empty_redis.url)], secret=SECRET))
+    assert engine.generate(prompts, PARAMS, use_tqdm=False) == expected
+    assert engine.stats()["kv_store_hit_blocks"] > 0
+    client = empty_redis.client()
+    for key in client.keys("mtkv:*"):
+        client.set(key, forged(client.get(key), key, "planted", model))
+    engine = small_engine(model, 4, KVConnector([RedisTier(empty_redis.url)], secret=SECRET))
+    assert engine.generate(prompts, PARAMS, use_tqdm=False) == expected
+    stats = engine.stats()
+    assert stats["kv_store_verify_failures"] >= 1 and stats["kv_store_hit_blocks"] == 0

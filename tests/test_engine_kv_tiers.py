@@ -22,7 +22,7 @@ from kv_store_support import (
 )
 
 from mini_transformer.engine.kv_connector import KVConnector
-from mini_transformer.engine.kv_tiers import HostTier, RedisTier, parse_redis_url
+from mini_transformer.engine.kv_tiers import HostTier, RedisTier, masked_url, parse_redis_url
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
@@ -52,10 +52,30 @@ def test_host_tier_evicts_least_recently_used_by_bytes():
     assert tier.bytes_used == 30 and tier.evictions == 1 and not tier.put(b"e", b"x" * 31)
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:6379", "redis://127.0.0.1", "redis://:6379", "redis://h:99999"])
+@pytest.mark.parametrize("url", ["http://127.0.0.1:6379", "redis://127.0.0.1", "redis://:6379", "redis://h:99999",
+                                 "redis://:pass-word@h", "rediss://u:pass-word@h:1/db0"])
 def test_bad_store_urls_are_refused(url):
-    with pytest.raises(ValueError, match="redis://HOST:PORT"):
+    with pytest.raises(ValueError, match="redis://HOST:PORT") as err:
         parse_redis_url(url)
+    assert "pass-word" not in str(err.value)
+
+
+@pytest.mark.parametrize("url, masked", [("redis://h:1", "redis://h:1"), ("redis://:pw@h:1", "redis://:***@h:1"),
+                                         ("rediss://user:p%40w@h:1/2", "rediss://user:***@h:1/2")])
+def test_urls_with_credentials_and_tls_parse_and_mask(url, masked):
+    assert parse_redis_url(url) == ("h", 1) and masked_url(url) == masked
+
+
+def test_rediss_reaches_redis_py_as_tls_with_the_credentials():
+    """The connection redis-py would open (nothing listens on the port: the tier logs it and goes on)."""
+    tier = RedisTier(f"rediss://app:pw@127.0.0.1:{free_port()}/3", timeout_s=0.1)
+    pool = tier._client.connection_pool
+    assert pool.connection_class.__name__ == "SSLConnection"
+    assert (pool.connection_kwargs["username"], pool.connection_kwargs["password"], pool.connection_kwargs["db"]) \
+        == ("app", "pw", 3)
+    apart = RedisTier(f"redis://127.0.0.1:{free_port()}", username="u", password="given apart", timeout_s=0.1)
+    assert apart._client.connection_pool.connection_class.__name__ == "Connection"
+    assert apart._client.connection_pool.connection_kwargs["password"] == "given apart"
 
 
 # -------------------------------------------------------------------------------------- faults
@@ -135,3 +155,31 @@ def test_corrupted_entries_are_detected(model, expected, empty_redis):
     assert engine.generate(prompts, PARAMS, use_tqdm=False) == expected
     stats = engine.stats()
     assert stats["kv_store_verify_failures"] >= 1 and stats["kv_store_blocks_loaded_redis"] == 0
+
+
+# ----------------------------------------------------------------------------- authentication
+PASSWORD = "s3cret-redis-pass"
+
+
+def test_a_password_protected_redis(tmp_path, caplog):
+    """The right password, from the url or given apart, is let in; a wrong or absent one is one log line
+    that never shows it, and the tier answers "not here" (the engine recomputes)."""
+    caplog.set_level(logging.WARNING, logger="mini_transformer.kv_store")
+    server = RedisServer(tmp_path, password=PASSWORD).start()
+    try:
+        for tier in (RedisTier(f"redis://:{PASSWORD}@127.0.0.1:{server.port}"),
+                     RedisTier(f"redis://default:{PASSWORD}@127.0.0.1:{server.port}/0"),
+                     RedisTier(server.url, password=PASSWORD)):
+            assert tier.put(b"k", b"v") and tier.get_many([b"k"]) == [b"v"] and tier.errors == 0
+            tier.close()
+        assert not store_log_lines(caplog)
+        for url in (f"redis://:wrong-{PASSWORD}@127.0.0.1:{server.port}", server.url):
+            caplog.clear()
+            tier = RedisTier(url)
+            assert tier.get_many([b"k"]) == [None] and tier.errors == 1
+            lines = store_log_lines(caplog)
+            assert len(lines) == 1 and "\n" not in lines[0] and PASSWORD not in lines[0], lines
+            assert "AuthenticationError" in lines[0]
+            tier.close()
+    finally:
+        server.stop()

@@ -1,6 +1,7 @@
 """Two servers on one Redis (`serve --kv-store`): the second reuses the prompt blocks the first stored,
 answers the same text as a server without a store, and /metrics, /v1/engine/state and the live page's
-data report where blocks came from. Needs Debian's redis-server (skips without it)."""
+data report where blocks came from. The store's secret and Redis's password come from a file or the
+environment, never the command line. Needs Debian's redis-server (skips without it)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import shutil
 
 import httpx
 import pytest
-from kv_store_support import RedisServer
+from kv_store_support import RedisServer, free_port
 from server_support import make_char_checkpoint, running_server
 
 from mini_transformer.engine import EngineConfig
 from mini_transformer.server import build_context
+from mini_transformer.server.run import KV_STORE_SECRET_ENV, REDIS_PASSWORD_ENV, kv_connector, kv_store_secret_from
 
 PROMPT = "the quick brown fox jumps over the lazy dog, again and again, " * 2  # 128 characters
 
@@ -96,3 +98,42 @@ def test_bad_kv_store_options_are_refused(checkpoint):
         build_context(checkpoint, kv_store="http://127.0.0.1:6379")
     with pytest.raises(ValueError, match="host_kv_bytes"):
         build_context(checkpoint, host_kv_bytes=0)
+
+
+def test_the_store_secret_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv(KV_STORE_SECRET_ENV, raising=False)
+    assert kv_store_secret_from(None) is None
+    monkeypatch.setenv(KV_STORE_SECRET_ENV, "a secret from the environment")
+    assert kv_store_secret_from(None) == b"a secret from the environment"
+    (tmp_path / "secret").write_text("a secret from a file, shared\n")
+    assert kv_store_secret_from(tmp_path / "secret") == b"a secret from a file, shared"
+    monkeypatch.setenv(KV_STORE_SECRET_ENV, "short")
+    with pytest.raises(ValueError, match=f"{KV_STORE_SECRET_ENV} holds 5 bytes"):
+        kv_store_secret_from(None)
+
+
+def test_an_unsigned_store_says_so_in_one_line(capsys):
+    url = f"redis://127.0.0.1:{free_port()}"  # nobody listens: the tier logs it and the engine recomputes
+    unsigned = kv_connector(url, None)
+    err = capsys.readouterr().err
+    assert not unsigned.signed and err.count("\n") == 1 and "not signed" in err and "trusted" in err
+    signed = kv_connector(url, None, b"a secret the replicas share")
+    assert signed.signed and capsys.readouterr().err == ""
+    for connector in (unsigned, signed):
+        connector.close()
+
+
+def test_the_redis_password_from_the_environment(tmp_path, monkeypatch):
+    server = RedisServer(tmp_path, password="from-the-environment").start()
+    try:
+        monkeypatch.setenv(REDIS_PASSWORD_ENV, "from-the-environment")
+        connector = kv_connector(server.url, None, b"a secret the replicas share")
+        tier = connector.tiers[0]
+        assert tier.ping() and tier.errors == 0
+        connector.close()
+        monkeypatch.setenv(REDIS_PASSWORD_ENV, "wrong")
+        connector = kv_connector(server.url, None, b"a secret the replicas share")
+        assert connector.tiers[0].errors == 1
+        connector.close()
+    finally:
+        server.stop()

@@ -1,7 +1,7 @@
-"""Exercise 16 answered by the project's own code: engine/kv_connector.py's extend_chain (the key chain),
-decode_block (the checks) and longest_run (the walk over the tiers). An Entry is written in the store's
-format by encode_block first, so the project's checks judge it; an Entry whose checksum does not match
-its K/V stands for a damaged value, and is encoded with one byte flipped."""
+"""Exercise 16 answered by the project's own code: engine/kv_connector.py's extend_chain (the key chain)
+and longest_run (the walk over the tiers), engine/kv_entry.py's decode_block (the checks). An Entry is
+written in the store's format by encode_block first, so the project's checks judge it; an Entry whose
+checksum does not match its K/V stands for a damaged value, and is encoded with one byte flipped."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import NamedTuple
 
 import torch
 
-from mini_transformer.engine.kv_connector import chain_digest, decode_block, encode_block, extend_chain, longest_run
+from mini_transformer.engine.kv_connector import extend_chain, longest_run
+from mini_transformer.engine.kv_entry import chain_digest, decode_block, encode_block
 
 
 class Entry(NamedTuple):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from .options import add_model_options, load_model
 
 
@@ -10,7 +12,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--checkpoint", required=True, help="our checkpoint dir or a Hugging Face GPT-2/Llama dir")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes and /metrics (`ps` shows "
+                   "it: prefer --api-key-file or MINI_TRANSFORMER_API_KEY)")
+    p.add_argument("--api-key-file", metavar="PATH", help="read the api key from this file")
+    p.add_argument("--allowed-hosts", nargs="+", default=[], metavar="NAME", help="Host header names answered "
+                   "besides localhost, 127.0.0.1, [::1] and --host (e.g. the DNS name clients use)")
     p.add_argument("--model-name", help="the model id clients send (default: the checkpoint directory's name)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--kv-cache-bytes", type=int, help="memory for the KV block pool (default: the engine's)")
@@ -18,7 +24,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued beyond that before 429")
     p.add_argument("--kv-store", metavar="URL", help="share KV blocks with other replicas in Redis, e.g. "
-                   "redis://127.0.0.1:6379 (see docs/11-kv-store.md)")
+                   "redis://127.0.0.1:6379, redis://USER@HOST:PORT/DB, rediss:// for TLS; the password from "
+                   "MINI_TRANSFORMER_REDIS_PASSWORD (see docs/11-kv-store.md)")
+    p.add_argument("--kv-store-secret-file", metavar="PATH", help="the secret the replicas sign store entries "
+                   "with (or MINI_TRANSFORMER_KV_STORE_SECRET); without one they are not signed")
     p.add_argument("--host-kv-bytes", type=int, metavar="N", help="keep up to N bytes of KV blocks in host "
                    "memory behind the pool (an LRU tier in front of --kv-store)")
     p.add_argument("--device", default="cpu")
@@ -34,16 +43,21 @@ def _run_serve(args) -> None:
     from ..checkpoint import resolve_checkpoint_dir
     from ..engine.config import EngineConfig
     from ..server import build_context, serve
+    from ..server.run import api_key_from, exposure_warning, kv_store_secret_from
 
     integer("--port", args.port, low=0, high=65535)
+    api_key = api_key_from(args.api_key, args.api_key_file)
+    kv_store_secret = kv_store_secret_from(args.kv_store_secret_file)
+    if (warning := exposure_warning(args.host, api_key)) is not None:
+        print(warning, file=sys.stderr, flush=True)
     model = None  # build_context loads a float32 checkpoint itself
     if args.quantize or args.dtype != "float32":
         model = load_model(resolve_checkpoint_dir(args.checkpoint), args.device, args)
     config = EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     ctx = build_context(args.checkpoint, config=config, model=model, model_name=args.model_name,
-                        api_key=args.api_key, max_waiting=args.max_waiting, device=args.device, kv_store=args.kv_store,
-                        host_kv_bytes=args.host_kv_bytes, warm_up=args.warm_up)
+                        api_key=api_key, max_waiting=args.max_waiting, device=args.device, kv_store=args.kv_store,
+                        host_kv_bytes=args.host_kv_bytes, kv_store_secret=kv_store_secret, warm_up=args.warm_up)
     print(f"serving {ctx.model_name!r} on http://{args.host}:{args.port} (live page at /, API under /v1)",
           flush=True)
-    serve(ctx, host=args.host, port=args.port, log_level=args.log_level)
+    serve(ctx, host=args.host, port=args.port, log_level=args.log_level, host_names=tuple(args.allowed_hosts))

@@ -19,6 +19,7 @@ vLLM's names, one small file each:
   handoff.py        KVHandoff: a prefilled request moved to another engine (prefill/decode disaggregation);
                     PoolHandoff: the pool's side of it, owned by the engine
   kv_connector.py   KVConnector: full blocks kept behind the pool and shared by replicas (lookup, load, save)
+  kv_entry.py       one stored block: its format, the model fingerprint, its MAC (keyed by a shared secret)
   kv_tiers.py       HostTier (an LRU in host memory), RedisTier (a Redis server): where those blocks live
 """
 

@@ -16,70 +16,23 @@ back to any engine serving the same model:
 The key of block i is the model's FINGERPRINT (config, dtype, block size, a digest of the weights) and
 a chain hash, key_i = H(key_{i-1}, tokens of block i), the same chain as the block manager's but with a
 digest that is equal in every process (Python's hash() is not). Equal keys should mean equal prefixes,
-but a key can collide and an entry can rot, so every value is checked before use: its checksum, its
-fingerprint, and its token ids against the request's. A failed check is a counted miss, never used.
+but a key can collide, an entry can rot, and anyone who can write to the store can plant one, so every
+value is checked before use: its MAC, its fingerprint, and its token ids against the request's. A
+failed check is a counted miss, never used. The entry's format and its MAC: kv_entry.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import queue
-import struct
 import threading
 import weakref
-from array import array
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-MAGIC = b"MTKV1"
-HEADER = struct.Struct("<5s16sII")  # magic, fingerprint, block_size, K/V bytes
-DIGEST = 16  # bytes of every blake2b digest here (fingerprint, chain, checksum)
+from .kv_entry import chain_digest, decode_block, encode_block, mac_key_for, model_fingerprint
+
 SAVE_QUEUE_BLOCKS = 4096  # saves waiting for the writer beyond this are dropped (counted), never waited on
-
-
-def model_fingerprint(model, block_size: int) -> bytes:
-    """16 bytes that differ between any two models whose blocks must not be mixed: the config, the
-    dtype, the block size and every weight's name, shape and bytes."""
-    h = hashlib.blake2b(digest_size=DIGEST)
-    h.update(MAGIC + json.dumps(model.config.to_dict(), sort_keys=True).encode())
-    h.update(f"{model.tok_emb.weight.dtype} block_size={block_size}".encode())
-    for name, tensor in sorted(model.state_dict().items()):
-        h.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
-        h.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-    return h.digest()
-
-
-def chain_digest(parent: bytes, token_ids) -> bytes:
-    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=DIGEST).digest()
-
-
-def encode_block(fingerprint: bytes, block_size: int, token_ids, kv: torch.Tensor) -> bytes:
-    """value = header | token ids (int64) | K/V (2, n_layer, block_size, Hkv, D) bytes | checksum."""
-    body = kv.contiguous().view(torch.uint8).numpy().tobytes()
-    head = HEADER.pack(MAGIC, fingerprint, block_size, len(body)) + array("q", token_ids).tobytes()
-    return head + body + hashlib.blake2b(head + body, digest_size=DIGEST).digest()
-
-
-def decode_block(value: bytes, fingerprint: bytes, token_ids, shape: tuple, dtype: torch.dtype):
-    """The block's K/V (shape, dtype) if `value` passes every check, else None."""
-    n_tokens = len(token_ids)
-    kv_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    if len(value) != HEADER.size + 8 * n_tokens + kv_bytes + DIGEST:
-        return None
-    payload = memoryview(value)[:-DIGEST]
-    if hashlib.blake2b(payload, digest_size=DIGEST).digest() != value[-DIGEST:]:
-        return None  # damaged
-    magic, their_fingerprint, block_size, their_kv_bytes = HEADER.unpack_from(value)
-    if magic != MAGIC or their_fingerprint != fingerprint or block_size != n_tokens or their_kv_bytes != kv_bytes:
-        return None  # another model, or another layout
-    stored_ids = array("q")
-    stored_ids.frombytes(payload[HEADER.size:HEADER.size + 8 * n_tokens])
-    if stored_ids.tolist() != list(token_ids):
-        return None  # a key collision: same key, other tokens
-    start = HEADER.size + 8 * n_tokens
-    return torch.frombuffer(bytearray(payload[start:]), dtype=torch.uint8).view(dtype).view(shape)
 
 
 def extend_chain(chain: list[bytes], tokens, block_size: int, num_blocks: int) -> list[bytes]:
@@ -141,10 +94,11 @@ class KVConnector:
     """Give it tiers, fastest first (e.g. [HostTier(2 << 30), RedisTier("redis://127.0.0.1:6379")]) and
     pass it to LLMEngine(kv_connector=...), which binds it to its model and pool."""
 
-    def __init__(self, tiers: list, *, write_behind: bool = True):
+    def __init__(self, tiers: list, *, secret: bytes | None = None, write_behind: bool = True):
         if not tiers or not all(hasattr(t, "get_many") and hasattr(t, "put") for t in tiers):
             raise TypeError("tiers must be a non-empty list of tiers (HostTier, RedisTier)")
         self.tiers, self.write_behind = list(tiers), write_behind
+        self.signed, self._mac_key = secret is not None, mac_key_for(secret)
         self.fingerprint = b""
         self._keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> its chain of keys
         self._pending = None  # (seq, first block, its length, [(tier name, K/V)]): what lookup found, for load
@@ -188,7 +142,7 @@ class KVConnector:
         def check(i: int, value: bytes):
             block = num_cached_blocks + i
             return decode_block(value, self.fingerprint, tokens[block * bs:(block + 1) * bs], self.block_shape,
-                                self.kv_cache.dtype)
+                                self.kv_cache.dtype, store_key=wanted[i], mac_key=self._mac_key)
 
         run, refused = longest_run(self.tiers, wanted, check)
         self.counters.verify_failures += refused  # a miss, counted; the block is computed instead
@@ -262,7 +216,7 @@ class KVConnector:
     def _write(self, key: bytes, token_ids, kv: torch.Tensor, done) -> None:
         if done is not None:
             done.synchronize()
-        value = encode_block(self.fingerprint, self.block_size, token_ids, kv)
+        value = encode_block(self.fingerprint, self.block_size, token_ids, kv, store_key=key, mac_key=self._mac_key)
         for tier in self.tiers:
             tier.put(key, value)  # a tier that is down drops it (and counts); the block is just not shared
         self.counters.blocks_saved += 1

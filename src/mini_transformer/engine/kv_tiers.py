@@ -3,13 +3,17 @@
     device pool (engine/block_manager.py)  ->  HostTier (this process's RAM)  ->  RedisTier (shared)
 
 A tier maps a key (bytes: the model's fingerprint and one block's place in a prefix hash chain, see
-kv_connector.py) to a value (bytes: the block's K/V for every layer, its token ids and a checksum). A
+kv_connector.py) to a value (bytes: the block's K/V for every layer, its token ids and a MAC). A
 tier never interprets values: the connector checks every value it gets before it uses it, so a tier
 may lose, evict or even damage entries without ever making the engine serve a wrong token.
 
 A tier never raises and never blocks for long. RedisTier bounds every call by a socket timeout; after a
 failure it counts it, logs ONE line, and answers "not here" to everything until `retry_after_s` has
 passed, then tries again (the client reconnects by itself). The engine meanwhile recomputes.
+
+RedisTier takes redis-py's own urls: a user and password (`redis://user:pass@host:port/db`, or given
+apart so that no command line shows them) and TLS (`rediss://`). Every line it logs shows the url with
+the password masked.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ class HostTier:
 
 
 def parse_redis_url(url: str) -> tuple[str, int]:
-    """redis://HOST:PORT -> (host, port); anything else is refused at the door with the reason."""
+    """redis[s]://[[USER]:PASSWORD@]HOST:PORT[/DB] -> (host, port); anything else is refused at the door
+    with the reason, and the password never appears in the message."""
     if not isinstance(url, str):
         raise TypeError(f"kv store url must be a string like redis://127.0.0.1:6379, got {type(url).__name__}")
     parts = urlsplit(url)
@@ -74,9 +79,21 @@ def parse_redis_url(url: str) -> tuple[str, int]:
         port = parts.port
     except ValueError:
         port = None
-    if parts.scheme != "redis" or not parts.hostname or port is None or parts.path not in ("", "/"):
-        raise ValueError(f"kv store url {url!r} must look like redis://HOST:PORT (e.g. redis://127.0.0.1:6379)")
+    path = parts.path.strip("/")
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname or port is None or not (path == ""
+                                                                                        or path.isdigit()):
+        raise ValueError(f"kv store url {masked_url(url)!r} must look like redis://HOST:PORT (e.g. "
+                         f"redis://127.0.0.1:6379; redis://USER:PASSWORD@HOST:PORT/DB, rediss:// for TLS)")
     return parts.hostname, port
+
+
+def masked_url(url: str) -> str:
+    """`url` with its password replaced by ***, for logs and errors."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    return parts._replace(netloc=f"{user}:***@" + parts.netloc.rpartition("@")[2]).geturl()
 
 
 class RedisTier:
@@ -86,22 +103,25 @@ class RedisTier:
 
     name = "redis"
 
-    def __init__(self, url: str, *, timeout_s: float = 0.25, ttl_s: float = 3600.0, retry_after_s: float = 2.0):
+    def __init__(self, url: str, *, username: str | None = None, password: str | None = None,
+                 timeout_s: float = 0.25, ttl_s: float = 3600.0, retry_after_s: float = 2.0):
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        host, port = parse_redis_url(url)
+        parse_redis_url(url)
         for name, value in (("timeout_s", timeout_s), ("ttl_s", ttl_s), ("retry_after_s", retry_after_s)):
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive number of seconds")
-        self.url, self.ttl_ms = url, int(ttl_s * 1000)
+        self.url, self.ttl_ms = masked_url(url), int(ttl_s * 1000)  # the url as logs show it
         self.retry_after_s = retry_after_s
         self._redis_error = redis.RedisError
-        # every call waits at most timeout_s, and is tried once: the engine recomputes instead of waiting
-        self._client = redis.Redis(host=host, port=port, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                   retry=Retry(NoBackoff(), 0), health_check_interval=0)
-        self.errors = 0  # calls that failed (refused, timed out, reset)
+        # every call waits at most timeout_s, and is tried once: the engine recomputes instead of waiting.
+        # A user or password in the url wins over the ones given apart (redis-py's from_url)
+        self._client = redis.Redis.from_url(url, username=username, password=password, socket_timeout=timeout_s,
+                                            socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
+                                            health_check_interval=0)
+        self.errors = 0  # calls that failed (refused, timed out, reset, wrong password)
         self._down_until = 0.0  # monotonic time before which we do not try (0: up)
         self._lock = threading.Lock()
         self.ping()  # down at start: counted and logged now, served by recomputing
@@ -125,7 +145,7 @@ class RedisTier:
                 return failed
         try:
             result = fn()
-        except self._redis_error as err:  # ConnectionError, TimeoutError, ResponseError (e.g. OOM)
+        except self._redis_error as err:  # ConnectionError, TimeoutError, AuthenticationError, ResponseError
             self._failed(err)
             return failed
         with self._lock:

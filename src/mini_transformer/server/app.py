@@ -11,14 +11,14 @@
                                runs until the client leaves, so it is kept out of the OpenAPI schema)
     POST /tokenize, /detokenize, GET /tokenizer_info   the checkpoint's tokenizer (vLLM's shapes; tokenize.py)
 
-Every /v1 and tokenizer route needs `Authorization: Bearer KEY` when the server has an api key. The
-OpenAPI schema at /openapi.json documents every response (schema.py).
+Every /v1 and tokenizer route, and /metrics, needs `Authorization: Bearer KEY` when the server has an
+api key, and every request must name the server in its Host header (access.py). The OpenAPI schema at
+/openapi.json documents every response (schema.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -30,6 +30,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 
 from ..engine import InvalidRequest
 from . import protocol as P
+from .access import LOCAL_HOSTS, add_host_check, key_check
 from .engine_loop import EngineLoop
 from .errors import install_error_handlers
 from .generation import ClientGone, Generation, Options
@@ -57,6 +58,7 @@ class ServerContext:
     pool_tokens: int  # num_blocks * block_size: no request can ever hold more
     vocab_size: int
     api_key: str | None = None
+    allowed_hosts: frozenset[str] = LOCAL_HOSTS  # Host header names answered, without the port, lower case
 
 
 def sse(payload: dict | str) -> str:
@@ -78,28 +80,14 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="mini-transformer", lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app, ctx.metrics)
+    add_host_check(app, ctx.allowed_hosts, ctx.metrics)
     install_openapi(app, ctx)
-    require_key = _key_check(ctx)
+    require_key = key_check(ctx.api_key)
     _add_status_routes(app, ctx, require_key)
     _add_generation_routes(app, ctx, require_key)
     _add_state_route(app, ctx, require_key)
     add_tokenizer_routes(app, ctx, require_key)
     return app
-
-
-def _key_check(ctx: ServerContext) -> Callable:
-    """The dependency every /v1 and tokenizer route has: the api key, when the server has one."""
-
-    async def require_key(request: Request) -> None:
-        if ctx.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {ctx.api_key}".encode()):
-            what = "missing" if not given else "wrong"
-            raise ErrorResponse(401, f"{what} API key: send the header 'Authorization: Bearer <key>'",
-                                code="invalid_api_key")
-
-    return require_key
 
 
 def _add_status_routes(app: FastAPI, ctx: ServerContext, require_key: Callable) -> None:
@@ -115,7 +103,7 @@ def _add_status_routes(app: FastAPI, ctx: ServerContext, require_key: Callable) 
             return JSONResponse({"status": "engine thread not running"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics", **describe("metrics"))
+    @app.get("/metrics", dependencies=[Depends(require_key)], **describe("metrics"))
     async def metrics():
         return Response(ctx.metrics.render(), media_type=METRICS_CONTENT)
 

@@ -7,7 +7,10 @@ requests already running finish normally. Then the engine thread stops and the p
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import signal
+import sys
 from pathlib import Path
 
 from .._checks import non_negative_int
@@ -15,22 +18,30 @@ from ..checkpoint import resolve_checkpoint_dir
 from ..engine.config import EngineConfig
 from ..model.transformer import TransformerLM
 from ..tokenizer import check_vocab_size
+from .access import allowed_hosts
 from .app import ServerContext, create_app
 from .engine_loop import EngineLoop
 from .metrics import ServerMetrics
 from .text import TextCodec
 
 GRACEFUL_SHUTDOWN_S = 60  # running requests get this long to finish after SIGTERM
+# secrets come from the environment or a file, never the command line, where `ps` shows them
+API_KEY_ENV = "MINI_TRANSFORMER_API_KEY"
+KV_STORE_SECRET_ENV = "MINI_TRANSFORMER_KV_STORE_SECRET"
+REDIS_USERNAME_ENV, REDIS_PASSWORD_ENV = "MINI_TRANSFORMER_REDIS_USERNAME", "MINI_TRANSFORMER_REDIS_PASSWORD"
+UNSIGNED_STORE = ("kv store: entries are not signed (no --kv-store-secret-file or {env}); that is safe only "
+                  "when no process but this machine's trusted ones can write to the store")
 
 
 def build_context(checkpoint: str | Path, *, config: EngineConfig | None = None, model_name: str | None = None,
                   api_key: str | None = None, max_waiting: int = 256, device: str = "cpu", model=None,
                   kv_store: str | None = None, host_kv_bytes: int | None = None,
-                  warm_up: bool = False) -> ServerContext:
+                  kv_store_secret: bytes | None = None, warm_up: bool = False) -> ServerContext:
     """Load the model and tokenizer of `checkpoint` (ours or a Hugging Face GPT-2 / Llama directory) and
     put an engine around them, sized by `config` (None: EngineConfig's defaults). `model` may be given to
     serve a model already in memory. `kv_store`
-    (redis://HOST:PORT) and `host_kv_bytes` add KV store tiers behind the pool (engine/kv_connector.py).
+    (redis://HOST:PORT) and `host_kv_bytes` add KV store tiers behind the pool (engine/kv_connector.py),
+    whose entries are signed with `kv_store_secret` (shared by the replicas; kv_store_secret_from).
     `warm_up`: run warm_up_engine before returning, so no client pays for compiling."""
     from ..engine import LLMEngine
 
@@ -43,7 +54,7 @@ def build_context(checkpoint: str | Path, *, config: EngineConfig | None = None,
     if model is None:  # verifies the checkpoint's manifest first
         model = TransformerLM.from_pretrained(checkpoint, device=device)
     check_vocab_size(codec.tokenizer, model.config.vocab_size, checkpoint)  # refused here, not mid-generation
-    connector = kv_connector(kv_store, host_kv_bytes)
+    connector = kv_connector(kv_store, host_kv_bytes, kv_store_secret)
     # the engine adds EOS to each request's stop ids itself (SamplingParams.stops), unless ignore_eos
     engine = LLMEngine(model, config, eos_token_id=codec.eos_token_id, kv_connector=connector,
                        tokenizer=codec.tokenizer)
@@ -88,8 +99,9 @@ def warm_up_engine(engine) -> None:
             engine.step()
 
 
-def kv_connector(kv_store: str | None, host_kv_bytes: int | None):
-    """The KV store tiers asked for, fastest first (host memory, then Redis), or None for none."""
+def kv_connector(kv_store: str | None, host_kv_bytes: int | None, secret: bytes | None = None):
+    """The KV store tiers asked for, fastest first (host memory, then Redis), or None for none. Redis's
+    user and password may come from the environment (REDIS_USERNAME_ENV, REDIS_PASSWORD_ENV)."""
     from ..engine.kv_connector import KVConnector
     from ..engine.kv_tiers import HostTier, RedisTier, parse_redis_url
 
@@ -100,12 +112,67 @@ def kv_connector(kv_store: str | None, host_kv_bytes: int | None):
         tiers.append(HostTier(host_kv_bytes))
     if kv_store is not None:
         parse_redis_url(kv_store)  # refuse a bad url before the model loads
-        tiers.append(RedisTier(kv_store))
-    return KVConnector(tiers) if tiers else None
+        if secret is None:
+            print(UNSIGNED_STORE.format(env=KV_STORE_SECRET_ENV), file=sys.stderr, flush=True)
+        tiers.append(RedisTier(kv_store, username=os.environ.get(REDIS_USERNAME_ENV) or None,
+                               password=os.environ.get(REDIS_PASSWORD_ENV) or None))
+    return KVConnector(tiers, secret=secret) if tiers else None
 
 
-def serve(ctx: ServerContext, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+def read_secret(name: str, path: str | Path | None, env: str) -> str | None:
+    """A secret from the file `path` (its trailing newline dropped), else from the environment variable
+    `env`, else None. `name` is the flag that gave the file, for the error messages."""
+    if path is not None:
+        try:
+            secret = Path(path).read_text().rstrip("\r\n")
+        except OSError as err:
+            raise ValueError(f"{name} {path}: cannot read it ({err.strerror})") from None
+        if not secret:
+            raise ValueError(f"{name} {path} is empty; put the secret in it")
+        return secret
+    return os.environ.get(env) or None
+
+
+def api_key_from(api_key: str | None, api_key_file: str | Path | None) -> str | None:
+    """The server's api key: --api-key, or --api-key-file, or API_KEY_ENV (one of the first two at most)."""
+    if api_key is not None and api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    return api_key if api_key is not None else read_secret("--api-key-file", api_key_file, API_KEY_ENV)
+
+
+def kv_store_secret_from(secret_file: str | Path | None) -> bytes | None:
+    """The KV store's shared secret: --kv-store-secret-file, else KV_STORE_SECRET_ENV, else None."""
+    from ..engine.kv_entry import MIN_SECRET_BYTES
+
+    secret = read_secret("--kv-store-secret-file", secret_file, KV_STORE_SECRET_ENV)
+    if secret is not None and len(secret.encode()) < MIN_SECRET_BYTES:
+        where = f"--kv-store-secret-file {secret_file}" if secret_file is not None else KV_STORE_SECRET_ENV
+        raise ValueError(f"{where} holds {len(secret.encode())} bytes; the secret needs at least {MIN_SECRET_BYTES}")
+    return None if secret is None else secret.encode()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server to this machine (127.0.0.0/8, ::1, localhost)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """One line when the server binds beyond this machine with no key: anyone who reaches it may use it."""
+    if api_key is not None or is_loopback(host):
+        return None
+    return (f"warning: serving on {host} without an api key: anyone who can reach this address can use the "
+            f"server; set {API_KEY_ENV} or --api-key-file")
+
+
+def serve(ctx: ServerContext, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          host_names: tuple[str, ...] = ()) -> None:
+    """Serve until SIGTERM, answering the Host names of `host` and `host_names` (access.py)."""
     import uvicorn
+
+    ctx.allowed_hosts = allowed_hosts(host, host_names)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
