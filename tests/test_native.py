@@ -29,6 +29,13 @@ def test_the_build_name_follows_the_source_and_the_torch_install(monkeypatch):
     assert _native._build_name("mt_x", "int f();") != name
 
 
+def test_the_kernels_are_compiled_for_torchs_threads():
+    """Without -fopenmp, ATen/ParallelOpenMP.h makes at::parallel_for a loop on the calling thread: the
+    kernels would never split their work, whatever torch.set_num_threads says."""
+    if torch.backends.openmp.is_available() and platform.system() != "Darwin":
+        assert "-fopenmp" in _native._cflags(portable=False) and "-fopenmp" in _native._cflags(portable=True)
+
+
 # Every kernel's portable path (AVX-512 off: the plain C++ a machine without it runs), built once into one
 # extension whose operators end in _portable, against the same references as the SIMD builds' tests.
 
