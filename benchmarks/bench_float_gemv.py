@@ -10,11 +10,15 @@ through it, on the 124.7M Llama of issue 28 (vs_llama_cpp.py's layout, random we
           kernels off (MINI_TRANSFORMER_NATIVE_KERNELS=0: inductor's fused reductions), in two worker processes taking
           turns A B C D A B C D; how many greedy tokens equal eager's (fp32 all of them; a near tie in bf16
           flips one: see tests/test_float_gemv.py)
+  threads every GEMV kernel (fp32, bf16, fp16 and the int4 one, group 64) over the same weight matrices at
+          each of --thread-counts, beside the read roof measured at that count in the same run: how much a
+          second core adds to a GEMV is what it adds to the memory bandwidth (docs/08 §3b)
   ppl     a small char model trained here, held-out perplexity scored token by token through the compiled
           decode step: fp32, bf16 (through the kernel), and bf16 eager forwards
 
     OMP_NUM_THREADS=1 python benchmarks/bench_float_gemv.py --threads 1
     python benchmarks/bench_float_gemv.py --threads 1 --parts decode --profile   # where a step goes
+    python benchmarks/bench_float_gemv.py --parts threads --thread-counts 1 2    # the thread-scaling table
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from _decode_roofline import measure_bandwidth
 
 from mini_transformer import TransformerConfig, TransformerLM, generate
 from mini_transformer.model.float_gemv import DTYPES, float_gemv, kernel_available
+from mini_transformer.model.int4_gemv import kernel_available as int4_kernel_available
+from mini_transformer.model.quantize import Int4Linear
 
 NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -80,6 +86,53 @@ def run_gemv(model: TransformerLM, repeats: int) -> None:
     print(f"\nGEMV over the model's {len(fp32)} weight matrices, 1 row, median of {repeats} alternating runs; "
           f"{load_average()}")
     print(table(rows, {"method": "method", "ms": "ms", "gbs": "GB/s", "vs": "x kernel of its dtype"}))
+
+
+def thread_scaling_calls(model: TransformerLM) -> dict[str, tuple]:
+    """name -> (a call running that GEMV kernel over every weight matrix of the model, one row x each, and the
+    bytes it reads): the float kernel in each dtype it is built for, and the int4 one (group 64)."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    calls = {}
+    for dtype in (d for d in DTYPES if kernel_available(d)):
+        weights = [m.weight.detach().to(dtype) for m in linears]
+        xs = {w.shape[1]: torch.randn(1, w.shape[1]).to(dtype) for w in weights}
+        calls[f"kernel {NAMES[dtype]}"] = (lambda ws=weights, xs=xs: [float_gemv(xs[w.shape[1]], w) for w in ws],
+                                           sum(w.nbytes for w in weights))
+    if int4_kernel_available():
+        layers = [Int4Linear.from_linear(m, 64) for m in linears]
+        xs = {m.in_features: torch.randn(1, m.in_features) for m in linears}
+
+        def int4():
+            return [torch.ops.mt_gemv.int4(xs[q.in_features], q.weight, q.gemv_scale_low, 64) for q in layers]
+        calls["kernel int4 (group 64)"] = (int4, sum(q.weight.nbytes + q.gemv_scale_low.nbytes for q in layers))
+    return calls
+
+
+def run_thread_scaling(model: TransformerLM, repeats: int, counts: list[int]) -> None:
+    """GB/s of each GEMV kernel at each thread count, and the read roof (a 256 MB sum, measure_bandwidth)
+    at that count: the kernels split their weight rows over the threads, so a GEMV can gain from a second
+    core only as much as the roof does."""
+    calls = thread_scaling_calls(model)
+    before, gbs = torch.get_num_threads(), {}
+    try:
+        for n in counts:
+            torch.set_num_threads(n)
+            gbs[("read roof (256 MB sum)", n)] = measure_bandwidth("cpu")[1] / 1e9
+            timings = time_interleaved({name: fn for name, (fn, _) in calls.items()}, repeats=repeats, warmup=2)
+            for name, (_, nbytes) in calls.items():
+                gbs[(name, n)] = nbytes / timings[name].median / 1e9
+    finally:
+        torch.set_num_threads(before)
+    rows = []
+    for name in ["read roof (256 MB sum)", *calls]:
+        row = {"method": name, **{n: gbs[(name, n)] for n in counts}}
+        row["gain"] = f"{gbs[(name, counts[-1])] / gbs[(name, counts[0])]:.2f}x"
+        rows.append(row)
+    print(f"\nGEMV kernels over every weight matrix of the model, 1 row, median of {repeats} alternating runs, "
+          f"GB/s at each thread count; {load_average()}")
+    columns = {"method": "method", **{n: f"GB/s, {n} thread{'s' * (n > 1)}" for n in counts},
+               "gain": f"{counts[-1]} vs {counts[0]}"}
+    print(table(rows, columns))
 
 
 def timed_generate(model, prompt, n, compile_: bool = True):
@@ -204,7 +257,9 @@ def run_perplexity(steps: int, data: str | None) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", nargs="+", default=["gemv", "decode", "ppl"], choices=["gemv", "decode", "ppl"])
+    p.add_argument("--parts", nargs="+", default=["gemv", "decode", "ppl"],
+                   choices=["gemv", "threads", "decode", "ppl"])
+    p.add_argument("--thread-counts", nargs="+", type=int, default=[1, 2], help="threads: the counts compared")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--train-steps", type=int, default=300, help="ppl: steps of the small char model")
@@ -224,6 +279,8 @@ def main(argv=None) -> None:
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
     if "gemv" in args.parts:
         run_gemv(fp32, args.repeats * 3)
+    if "threads" in args.parts:
+        run_thread_scaling(fp32, args.repeats * 3, args.thread_counts)
     if "decode" in args.parts:
         run_decode(args.new_tokens, args.repeats, args.threads)
     if args.profile:

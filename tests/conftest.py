@@ -23,6 +23,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request):
+    """A C++ kernel test at 1 and at 2 torch threads (the suite's one thread would never split the kernel's
+    work), the count restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _shared_bytecode_cache(request, tmp_path_factory):
     """The suite starts ~100 Python processes (the README's commands, torchrun and spawned ranks, servers,

@@ -133,3 +133,14 @@ def write_word_corpus(directory):
     path.write_text(text)
     return path
 
+
+
+def on_threads(count: int, fn, *args):
+    """fn(*args) at `count` torch threads, the count restored after: the C++ kernels must give the same bits
+    whatever the count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(before)

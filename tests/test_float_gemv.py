@@ -5,7 +5,7 @@ test_static_decode.py)."""
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mini_transformer import TransformerConfig, TransformerLM, generate
@@ -47,10 +47,11 @@ def test_reference_within_rounding_of_float64(M, N, K, bias, seed, dtype):
 
 
 @needs_kernel
-@settings(max_examples=60, deadline=None)
+# `threads` (the torch thread count) holds for every example
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(M=st.integers(1, MAX_ROWS), N=st.integers(1, 100), K=st.integers(1, 300), bias=st.booleans(),
        seed=st.integers(0, 2**16), dtype=st.sampled_from(BUILT or [torch.float32]))
-def test_kernel_within_rounding_of_float64(M, N, K, bias, seed, dtype):
+def test_kernel_within_rounding_of_float64(threads, M, N, K, bias, seed, dtype):
     """Any N (blocks of 64 rows and a partial one), K of any size (full steps of 4 registers, single
     registers and a masked tail), 1-8 rows (groups of 4 and what is left); 16-bit results at most one
     step of the dtype from the reference (both sum in fp32, in other orders, so a sum next to a rounding

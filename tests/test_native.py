@@ -7,6 +7,7 @@ import platform
 import pytest
 import torch
 import torch.nn as nn
+from support import on_threads
 from test_float_gemv import assert_within_rounding, inputs
 from test_one_query_cpu import exact_one_query, one_query_setup
 from test_paged_cpu import decode_setup
@@ -28,6 +29,13 @@ def test_the_build_name_follows_the_source_and_the_torch_install(monkeypatch):
     assert _native._build_name("mt_x", "int f();") != name
 
 
+def test_the_kernels_are_compiled_for_torchs_threads():
+    """Without -fopenmp, ATen/ParallelOpenMP.h makes at::parallel_for a loop on the calling thread: the
+    kernels would never split their work, whatever torch.set_num_threads says."""
+    if torch.backends.openmp.is_available() and platform.system() != "Darwin":
+        assert "-fopenmp" in _native._cflags(portable=False) and "-fopenmp" in _native._cflags(portable=True)
+
+
 # Every kernel's portable path (AVX-512 off: the plain C++ a machine without it runs), built once into one
 # extension whose operators end in _portable, against the same references as the SIMD builds' tests.
 
@@ -45,7 +53,7 @@ def portable():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M, N, K, bias", [(1, 1, 1, False), (1, 70, 300, True), (3, 65, 48, False),
                                            (5, 100, 17, True), (8, 33, 257, False)])
-def test_portable_float_gemv_within_rounding(portable, dtype, M, N, K, bias):
+def test_portable_float_gemv_within_rounding(portable, threads, dtype, M, N, K, bias):
     """K with and without a tail past the 16 lanes, 1-8 rows (4 at a time and what is left): within one
     rounding of float64, and at most one step of the dtype plus the fp32 sums' bounds from the reference."""
     x, w, b = inputs(M, N, K, bias, M * N + K, dtype)
@@ -60,7 +68,7 @@ def test_portable_float_gemv_within_rounding(portable, dtype, M, N, K, bias):
 
 @pytest.mark.parametrize("group_size, K, rows", [(32, 96, 1), (64, 256, 3), (64, 192, 2), (128, 384, 9),
                                                  (256, 512, 1)])
-def test_portable_int4_gemv_equals_float64(portable, group_size, K, rows):
+def test_portable_int4_gemv_equals_float64(portable, threads, group_size, K, rows):
     torch.manual_seed(group_size + K + rows)
     layer = Int4Linear.from_linear(nn.Linear(K, 70, bias=False), group_size)
     x = torch.randn(rows, K) * torch.rand(K) * 4  # groups of different ranges
@@ -72,7 +80,7 @@ def test_portable_int4_gemv_equals_float64(portable, group_size, K, rows):
 @pytest.mark.parametrize("context_lens, block_size, H, Hkv, D", [([1], 1, 4, 4, 8), ([7, 20, 3, 12], 4, 4, 2, 64),
                                                                  ([16, 32, 17, 1, 48], 16, 6, 2, 19),
                                                                  ([300, 45, 1], 16, 2, 1, 130)])
-def test_portable_paged_decode_equals_reference(portable, context_lens, block_size, H, Hkv, D):
+def test_portable_paged_decode_equals_reference(portable, threads, context_lens, block_size, H, Hkv, D):
     q, k_cache, v_cache, meta, seqs = decode_setup(context_lens, block_size, H, Hkv, D)
     q = q * 4  # a peaked softmax: the running max jumps, weights underflow
     args = (meta.block_tables, meta.context_lens, block_size, 1 / math.sqrt(D))
@@ -83,7 +91,7 @@ def test_portable_paged_decode_equals_reference(portable, context_lens, block_si
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_portable_paged_decode_16_bit_within_one_rounding(portable, dtype):
+def test_portable_paged_decode_16_bit_within_one_rounding(portable, threads, dtype):
     q, k_cache, v_cache, meta, _ = decode_setup([40, 3, 17, 64, 1], 16, 6, 2, 64, dtype=dtype)
     args = (meta.block_tables, meta.context_lens, 16, 1 / 8)
     out = portable.mt_paged_portable.decode(q, k_cache, v_cache, *args)
@@ -94,9 +102,28 @@ def test_portable_paged_decode_16_bit_within_one_rounding(portable, dtype):
 @pytest.mark.parametrize("B, H, Hkv, Tk, D, mask_kind", [(1, 4, 4, 1, 8, None), (2, 6, 2, 200, 64, "prefix-bool"),
                                                          (3, 3, 1, 130, 19, "random-add"),
                                                          (2, 4, 2, 70, 16, "random-bool")])
-def test_portable_one_query_equals_float64(portable, B, H, Hkv, Tk, D, mask_kind):
+def test_portable_one_query_equals_float64(portable, threads, B, H, Hkv, Tk, D, mask_kind):
     q, k, v, mask, keep = one_query_setup(B, H, Hkv, Tk, D, mask_kind, B, seed=Tk)
     out, lse = portable.mt_one_query_portable.attend(q, k, v, mask, D ** -0.5)
     want, want_lse = exact_one_query(q, k, v, keep, D ** -0.5)
     assert (out.double() - want).abs().max() <= 16 * torch.finfo(torch.float32).eps * v.abs().max()
     assert (lse.double() - want_lse).abs().max() <= 1e-5 * (1 + want_lse.abs().max())
+
+
+def test_portable_kernels_same_bits_on_1_and_2_threads(portable):
+    """Shapes past each kernel's grain (300 weight rows; kv heads or sequences to split): each output summed
+    by one thread in one order, so 1 and 2 threads give the same bits."""
+    torch.manual_seed(0)
+    layer = Int4Linear.from_linear(nn.Linear(256, 300, bias=False), 64)
+    q, k_cache, v_cache, meta, _ = decode_setup([70], 16, 6, 3, 64)
+    q1, k, v, mask, _ = one_query_setup(1, 8, 4, 300, 64, "random-add", 1)
+    calls = [(portable.mt_float_portable.gemv, *inputs(3, 300, 257, True, 0, dtype)) for dtype in DTYPES]
+    calls += [(portable.mt_gemv_portable.int4, torch.randn(3, 256), layer.weight, layer.gemv_scale_low, 64),
+              (portable.mt_paged_portable.decode, q, k_cache, v_cache, meta.block_tables, meta.context_lens, 16,
+               0.125),
+              (portable.mt_one_query_portable.attend, q1, k, v, mask, 0.125)]
+    for fn, *args in calls:
+        one, two = on_threads(1, fn, *args), on_threads(2, fn, *args)
+        for a, b in zip(one if isinstance(one, tuple) else [one], two if isinstance(two, tuple) else [two],
+                        strict=True):
+            assert torch.equal(a, b), fn

@@ -5,8 +5,9 @@ bf16/fp16 within one rounding; logsumexp; NaN in every masked slot never read.""
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import on_threads
 
 from mini_transformer.attention.one_query_cpu import kernel_available, one_query_kernel
 
@@ -41,12 +42,13 @@ def exact_one_query(q, k, v, keep, scale):
     return torch.softmax(scores, dim=-1) @ vd, torch.logsumexp(scores, dim=-1)
 
 
-@settings(max_examples=40, deadline=None)
+# `threads` (the torch thread count) holds for every example
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(B=st.integers(1, 3), groups=st.sampled_from([1, 2, 3]), Hkv=st.integers(1, 4), Tk=st.integers(1, 200),
        D=st.sampled_from([8, 16, 19, 64]), mask_kind=st.sampled_from([None, "prefix-bool", "prefix-add",
                                                                       "random-bool", "random-add"]),
        shared_mask=st.booleans(), scale=st.sampled_from([None, 0.3]), seed=st.integers(0, 99))
-def test_one_query_kernel_equals_float64(B, groups, Hkv, Tk, D, mask_kind, shared_mask, scale, seed):
+def test_one_query_kernel_equals_float64(threads, B, groups, Hkv, Tk, D, mask_kind, shared_mask, scale, seed):
     q, k, v, mask, keep = one_query_setup(B, Hkv * groups, Hkv, Tk, D, mask_kind, 1 if shared_mask else B, seed=seed)
     scale = D ** -0.5 if scale is None else scale
     out, lse = one_query_kernel(q, k, v, mask, scale)
@@ -60,7 +62,7 @@ def test_one_query_kernel_equals_float64(B, groups, Hkv, Tk, D, mask_kind, share
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mask_kind", ["prefix-bool", "random-add"])
-def test_one_query_kernel_16_bit_within_one_rounding(dtype, mask_kind):
+def test_one_query_kernel_16_bit_within_one_rounding(threads, dtype, mask_kind):
     """bf16/fp16 K, V, q widened to fp32 as they load: the output is float64's of the same inputs,
     rounded once to the dtype (plus fp32 slack); logsumexp stays fp32."""
     q, k, v, mask, keep = one_query_setup(2, 12, 4, 384, 64, mask_kind, 2, dtype=dtype)
@@ -71,7 +73,7 @@ def test_one_query_kernel_16_bit_within_one_rounding(dtype, mask_kind):
     assert (lse.double() - want_lse).abs().max() <= 1e-5
 
 
-def test_one_query_kernel_never_reads_masked_keys():
+def test_one_query_kernel_never_reads_masked_keys(threads):
     """NaN in every masked key and value slot (the static slab's unwritten slots) changes no bit."""
     q, k, v, mask, keep = one_query_setup(2, 6, 2, 100, 32, "random-bool", 2)
     before = one_query_kernel(q, k, v, mask, 0.2)
@@ -79,3 +81,14 @@ def test_one_query_kernel_never_reads_masked_keys():
     k[hidden], v[hidden] = float("nan"), float("nan")
     after = one_query_kernel(q, k, v, mask, 0.2)
     assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B", [1, 3])
+def test_one_query_kernel_same_bits_on_1_and_2_threads(dtype, B):
+    """One task per (batch row, kv head), split over threads: each walked alone in one order, so 1 and 2
+    threads give the same bits (B = 1: the kv heads alone fill the threads)."""
+    q, k, v, mask, _ = one_query_setup(B, 8, 4, 300, 64, "random-add", B, dtype=dtype)
+    one = on_threads(1, one_query_kernel, q, k, v, mask, 1 / 8)
+    two = on_threads(2, one_query_kernel, q, k, v, mask, 1 / 8)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])

@@ -7,8 +7,9 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import on_threads
 from test_paged_attention import contiguous, paged, scatter_sequences
 
 from mini_transformer.attention.paged import (
@@ -40,7 +41,7 @@ def kernel(q, k_cache, v_cache, meta):
 @pytest.mark.parametrize("context_lens", [[1], [37], [7, 20, 3, 12], [16, 32, 17, 1, 48]])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("H, Hkv, D", [(4, 4, 8), (4, 2, 64), (6, 2, 64), (4, 1, 24), (2, 1, 40)])
-def test_kernel_equals_contiguous(context_lens, block_size, H, Hkv, D):
+def test_kernel_equals_contiguous(threads, context_lens, block_size, H, Hkv, D):
     q, k_cache, v_cache, meta, seqs = decode_setup(context_lens, block_size, H, Hkv, D)
     out = kernel(q, k_cache, v_cache, meta)  # (S, H, D)
     assert out.dtype == torch.float32 and out.shape == q.shape
@@ -48,10 +49,11 @@ def test_kernel_equals_contiguous(context_lens, block_size, H, Hkv, D):
     assert (out.double() - contiguous(seqs, torch.float64)).abs().max() <= 1e-6
 
 
-@settings(max_examples=30, deadline=None)
+# `threads` (the torch thread count) holds for every example
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), block_size=st.sampled_from([1, 2, 3, 16]), groups=st.sampled_from([1, 2, 3]),
        D=st.sampled_from([4, 16, 19, 32]))
-def test_kernel_equals_reference_random_shapes(data, block_size, groups, D):
+def test_kernel_equals_reference_random_shapes(threads, data, block_size, groups, D):
     n_seqs = data.draw(st.integers(1, 6))
     context_lens = data.draw(st.lists(st.integers(1, 70), min_size=n_seqs, max_size=n_seqs))
     Hkv = data.draw(st.integers(1, 3))
@@ -64,7 +66,7 @@ def test_kernel_equals_reference_random_shapes(data, block_size, groups, D):
     assert (out.double() - contiguous(seqs, torch.float64)).abs().max() <= 1e-6
 
 
-def test_kernel_reads_only_each_sequences_own_keys():
+def test_kernel_reads_only_each_sequences_own_keys(threads):
     """Poison every slot a sequence must not see (others' blocks, the tail of its last block, the table's
     padding entries): the kernel's output does not change by a single bit."""
     context_lens, block_size = [5, 9, 2, 30], 4
@@ -79,7 +81,7 @@ def test_kernel_reads_only_each_sequences_own_keys():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16_bit_pools_compute_in_fp32_like_the_reference(dtype):
+def test_16_bit_pools_compute_in_fp32_like_the_reference(threads, dtype):
     """bf16/fp16 pools are widened to fp32 as they load and the result rounded once: equal to the
     reference (which promotes to fp32) up to that one rounding, and far closer to float64 than bf16 sums."""
     q, k_cache, v_cache, meta, _ = decode_setup([40, 3, 17, 64, 1], 16, 6, 2, 64, dtype=dtype)
@@ -91,6 +93,16 @@ def test_16_bit_pools_compute_in_fp32_like_the_reference(dtype):
     one_rounding = torch.finfo(dtype).eps * exact.abs() + 1e-6  # an fp32 result rounded once to dtype
     assert ((out.double() - exact).abs() <= one_rounding).all()
     assert ((out.double() - reference.double()).abs() <= 2 * one_rounding).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("context_lens", [[70], [7, 20, 3, 12]])  # 1 sequence: a task per (sequence, kv head)
+def test_kernel_same_bits_on_1_and_2_threads(dtype, context_lens):
+    """Fewer sequences than threads split over kv heads, more split over sequences; either way each head is
+    walked alone in one order, so 1 and 2 threads give the same bits."""
+    q, k_cache, v_cache, meta, _ = decode_setup(context_lens, 16, 6, 3, 64, dtype=dtype)
+    args = (q, k_cache, v_cache, meta)
+    assert torch.equal(on_threads(1, kernel, *args), on_threads(2, kernel, *args))
 
 
 def test_kernel_on_strided_queries():

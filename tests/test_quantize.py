@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
+from support import on_threads
 
 from mini_transformer import SamplingParams, TransformerConfig, TransformerLM, generate
 from mini_transformer.checkpoint import CheckpointError
@@ -99,7 +100,7 @@ def reference_in_float64(x, layer: Int4Linear) -> torch.Tensor:
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 3, 9])
-def test_int4_gemv_kernel_and_reference_agree_with_float64(group_size, rows):
+def test_int4_gemv_kernel_and_reference_agree_with_float64(threads, group_size, rows):
     """The C++ kernel (VNNI or its scalar loop) and the PyTorch reference: the same integer dot products,
     so they differ only in the order of float sums; both match the definition in float64."""
     torch.manual_seed(group_size + rows)
@@ -116,10 +117,11 @@ def test_int4_gemv_kernel_and_reference_agree_with_float64(group_size, rows):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=25, deadline=None)
+# `threads` (the torch thread count) holds for every example
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(group_size=st.sampled_from([32, 64, 128, 256]), groups=st.integers(1, 9), out_features=st.integers(1, 70),
        rows=st.integers(1, 5), seed=st.integers(0, 2**16))
-def test_int4_gemv_kernel_over_shapes(group_size, groups, out_features, rows, seed):
+def test_int4_gemv_kernel_over_shapes(threads, group_size, groups, out_features, rows, seed):
     """Every path of the C++ kernel (the VNNI loop for K a multiple of 128 and groups of 64 or 128k, the
     plain loop otherwise: K = 64 x odd, group 32) against the float64 definition, for any rows and width."""
     if not kernel_available():
@@ -130,6 +132,20 @@ def test_int4_gemv_kernel_over_shapes(group_size, groups, out_features, rows, se
     x = torch.randn(rows, K) * torch.rand(K) * 4
     got = torch.ops.mt_gemv.int4(x, layer.weight, layer.gemv_scale_low, group_size)
     torch.testing.assert_close(got.double(), reference_in_float64(x, layer), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("group_size", [32, 64])  # the plain loop (K = 64 x odd) and the VNNI one
+def test_int4_gemv_kernel_same_bits_on_1_and_2_threads(group_size):
+    """300 weight rows, more than one thread's grain of 64: at 2 threads each thread sums its own rows, in
+    the order 1 thread would, so the bits are the same."""
+    if not kernel_available():
+        pytest.skip("the int4 C++ kernel cannot be built here")
+    torch.manual_seed(group_size)
+    K = 64 * 5 if group_size == 32 else 256
+    layer = Int4Linear.from_linear(nn.Linear(K, 300, bias=False), group_size)
+    x = torch.randn(3, K)
+    args = (x, layer.weight, layer.gemv_scale_low, group_size)
+    assert torch.equal(on_threads(1, torch.ops.mt_gemv.int4, *args), on_threads(2, torch.ops.mt_gemv.int4, *args))
 
 
 def test_int8_kernel_equals_dequantize_then_matmul():

@@ -51,9 +51,17 @@ def _source_text(sources: list[Path], cflags: list[str]) -> str:
 
 def _cflags(portable: bool) -> list[str]:
     """-O3 for this machine's instruction sets (clang on Apple silicon spells it -mcpu=native); `portable`
-    turns AVX-512 off on x86, so each kernel compiles its portable path, and names the ops *_portable."""
-    arch = "-mcpu=native" if platform.system() == "Darwin" and platform.machine() == "arm64" else "-march=native"
+    turns AVX-512 off on x86, so each kernel compiles its portable path, and names the ops *_portable.
+
+    -fopenmp where torch's threads are OpenMP's: at::parallel_for is a plain loop on one thread in code
+    compiled without it (ATen/ParallelOpenMP.h tests _OPENMP). Only compiled with it, not linked: the OpenMP
+    calls bind to the runtime torch loaded, whose thread count torch.set_num_threads sets. Apple's clang
+    has no -fopenmp, so there the kernels stay on one thread."""
+    darwin = platform.system() == "Darwin"
+    arch = "-mcpu=native" if darwin and platform.machine() == "arm64" else "-march=native"
     flags = ["-O3", arch]
+    if torch.backends.openmp.is_available() and not darwin:
+        flags.append("-fopenmp")
     if portable:
         flags.append("-DMINI_TRANSFORMER_PORTABLE")
         if platform.machine().lower() in ("x86_64", "amd64"):

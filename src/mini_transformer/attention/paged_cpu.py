@@ -14,12 +14,14 @@ block, only the first context_len positions):
     m    = m'
     out_g = acc / l                            after the last block
 
-Nothing is gathered or padded: the block table says where each block lies, and keys past context_len are
-never read. One task per sequence (at::parallel_for over sequences) takes all its query heads: a pool row
-holds every kv head of a token side by side, so each K/V row comes from memory once for all the heads that
-read it. The tile loop (csrc/attention_tile.h, shared with one_query_cpu.py's kernel) runs 16 floats at a
-time with AVX-512 where the compiler has it, else its portable C++; 16-bit pools are widened to fp32 as they
-load, so bf16/fp16 compute in fp32 like the reference.
+Nothing is gathered or padded: the block table says where each block lies, and keys past context_len are never
+read. One task per sequence (at::parallel_for over sequences) takes all its query heads: a pool row holds
+every kv head of a token side by side, so each K/V row comes from memory once for all the heads that read it.
+With fewer sequences than threads (batch-1 decode) each (sequence, kv head) is a task, so every thread has
+work; each head is walked alone either way, so the bits do not depend on the thread count. The tile loop
+(csrc/attention_tile.h, shared with one_query_cpu.py's kernel) runs 16 floats at a time with AVX-512 where the
+compiler has it, else its portable C++; 16-bit pools are widened to fp32 as they load, so bf16/fp16 compute in
+fp32 like the reference.
 
 Registered as the operator `mt_paged::decode` (with a fake for torch.compile); built on first use by
 `_native.build`; without AVX-512 its portable path runs, which still beats the reference

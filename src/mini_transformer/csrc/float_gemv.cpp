@@ -71,8 +71,9 @@ __attribute__((noinline)) static void gemv_range(const typename D::T* x, const t
       D::rows(x + m * K, std::min<int64_t>(4, M - m), w, bias, y + m * N, N, K, n0, std::min(n0 + kBlock, end));
 }
 
-// Rows of W split over threads; each row is summed by one thread in one order, so any thread count gives
-// the same bits.
+// Rows of W split over threads, one contiguous range each (at::parallel_for's split), so each thread still
+// reads one front-to-back stream; each row is summed by one thread in one order, so any thread count gives
+// the same bits. At least 64 rows a thread: a block of gemv_range.
 template <class D>
 static void gemv_rows(const typename D::T* x, const typename D::T* w, const typename D::T* bias, typename D::T* y,
                       int64_t M, int64_t N, int64_t K) {

@@ -101,6 +101,8 @@ at::Tensor int4_gemv(at::Tensor x, at::Tensor packed, at::Tensor scale_low, int6
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* sl = scale_low.data_ptr<float>();
   float* out = y.data_ptr<float>();
+  // Weight rows split over threads, one contiguous range each (one stream of packed bytes per thread); each
+  // output summed by one thread in one order, so any thread count gives the same bits.
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
       for (int64_t m = 0; m < M; ++m) {

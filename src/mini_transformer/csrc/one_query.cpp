@@ -62,7 +62,8 @@ static void attend_task(const T* q, const T* k, const T* v, const float* mask_ro
   }
 }
 
-// One task per (b, kv head), over threads.
+// One task per (b, kv head), over threads: at batch 1 the kv heads alone fill them. Each task's heads are
+// walked in one order whatever the split, so any thread count gives the same bits.
 template <typename T>
 static void one_query_all(const T* q, const T* k, const T* v, const float* mask, int64_t mask_stride, float scale,
                           T* out, float* lse, int64_t B, int64_t H, int64_t Hkv, int64_t Tk, int64_t D) {

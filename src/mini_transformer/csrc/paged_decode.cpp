@@ -28,7 +28,8 @@ static void prefetch_block(const T* k_pool, const T* v_pool, int64_t first_slot,
 }
 
 // One task: `heads` query heads of one sequence, q (heads, D) fp32 pre-scaled; query head i reads kv head
-// i / group of each pool row. Walk the sequence's blocks with the online softmax, write out (heads, D).
+// i / group of each pool row, counted from k_pool and v_pool (the task's first kv head). Walk the sequence's
+// blocks with the online softmax, write out (heads, D).
 template <typename T>
 static void attend_one(const float* q, const T* k_pool, const T* v_pool, const int64_t* table, int64_t n_keys,
                        int64_t block_size, int64_t row_stride, int64_t heads, int64_t group, int64_t D,
@@ -49,18 +50,26 @@ static void attend_one(const float* q, const T* k_pool, const T* v_pool, const i
     for (int64_t d = 0; d < D; ++d) out[i * D + d] = static_cast<T>(acc[i * D + d] / l[i]);
 }
 
-// One task per sequence with all its heads: a pool row holds every kv head of a token side by side, so a task
-// reads whole rows (docs/06 §3b).
+// One task per sequence with all its heads where the sequences fill the threads: a pool row holds every kv
+// head of a token side by side, so a task reads whole rows (docs/06 §3b). Fewer sequences than threads (a
+// batch-1 decode): one task per (sequence, kv head) with its G query heads, so every thread has work. Each
+// head's numbers are the same either way (attend_tile treats every head alone), so any thread count gives
+// the same bits.
 template <typename T>
 static void decode_all(const float* q, const T* k_pool, const T* v_pool, const int64_t* tables, const int64_t* lens,
                        T* out, int64_t S, int64_t H, int64_t Hkv, int64_t D, int64_t B, int64_t block_size) {
   const int64_t G = H / Hkv;  // query heads per kv head
-  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(H * D), scores(H * block_size);  // scratch, reused by this thread's tasks
+  const int64_t kv_per_task = S >= at::get_num_threads() ? Hkv : 1;
+  const int64_t tasks_per_seq = Hkv / kv_per_task, heads = kv_per_task * G;
+  at::parallel_for(0, S * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(heads * D), scores(heads * block_size);  // scratch, reused by this thread's tasks
     std::vector<int64_t> rows(block_size);
-    for (int64_t s = begin; s < end; ++s)
-      attend_one(q + s * H * D, k_pool, v_pool, tables + s * B, lens[s], block_size, Hkv * D, H, G, D,
-                 acc.data(), scores.data(), rows.data(), out + s * H * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / tasks_per_seq, kv0 = task % tasks_per_seq * kv_per_task;  // first kv head
+      const int64_t offset = s * H * D + kv0 * G * D;  // (S, H, D) row of its first query head
+      attend_one(q + offset, k_pool + kv0 * D, v_pool + kv0 * D, tables + s * B, lens[s], block_size, Hkv * D,
+                 heads, G, D, acc.data(), scores.data(), rows.data(), out + offset);
+    }
   });
 }
 
