@@ -6,8 +6,8 @@
     GET  /v1/models            the one model served
     POST /v1/completions       text, texts or token ids; streamed (SSE) or not
     POST /v1/chat/completions  messages through the chat template; streamed (SSE) or not
-    GET  /v1/engine/state      queues, block tables and the pool (JSON; ?stream=true for SSE, a stream that
-                               runs until the client leaves, so it is kept out of the OpenAPI schema)
+    GET  /v1/engine/state      queues, block tables and the pool: JSON, or SSE for a client that sends
+                               `Accept: text/event-stream` (an EventSource; it runs until the client leaves)
     POST /tokenize, /detokenize, GET /tokenizer_info   the checkpoint's tokenizer (vLLM's shapes; tokenize.py)
 
 Every /v1 and tokenizer route needs `Authorization: Bearer KEY` when the server has an api key. The
@@ -174,8 +174,8 @@ def _add_generation_routes(app: FastAPI, ctx: ServerContext, require_key: Callab
 def _add_state_route(app: FastAPI, ctx: ServerContext, require_key: Callable) -> None:
     @app.get("/v1/engine/state", dependencies=[Depends(require_key)], **describe("state"))
     async def engine_state(request: Request):
-        # ?stream=true is read here, not declared: a stream that never ends stays out of the schema
-        if request.query_params.get("stream", "false").lower() not in ("true", "1"):
+        # only a client that asks for events gets the endless stream; an ordinary GET gets one JSON snapshot
+        if "text/event-stream" not in request.headers.get("accept", ""):
             return ctx.engine_loop.state()
 
         async def events():

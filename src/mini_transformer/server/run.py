@@ -50,10 +50,11 @@ def build_context(checkpoint: str | Path, *, config: EngineConfig | None = None,
     if warm_up:
         warm_up_engine(engine)
     stats = engine.stats()
-    metrics = ServerMetrics()
+    model_name = model_name or Path(checkpoint).resolve().name
+    metrics = ServerMetrics(model_name)
     return ServerContext(
         engine_loop=EngineLoop(engine, metrics, max_waiting=max_waiting),
-        codec=codec, metrics=metrics, model_name=model_name or Path(checkpoint).resolve().name,
+        codec=codec, metrics=metrics, model_name=model_name,
         max_model_len=model.config.max_seq_len, pool_tokens=stats["num_blocks"] * config.block_size,
         vocab_size=model.config.vocab_size, api_key=api_key,
     )
