@@ -32,11 +32,12 @@ from . import protocol as P
 from .engine_loop import EngineLoop
 from .errors import install_error_handlers
 from .generation import ClientGone, Generation, Options
+from .limits import BodyLimit, Limits, Workers, check_prompt_bytes
 from .logprobs import CompletionLogprobs, chat_logprobs
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from .schema import METRICS_CONTENT, describe, install_openapi
-from .structured import check_structured
+from .structured import compile_structured
 from .text import TextCodec
 from .tokenize import add_tokenizer_routes
 
@@ -56,6 +57,8 @@ class ServerContext:
     pool_tokens: int  # num_blocks * block_size: no request can ever hold more
     vocab_size: int
     api_key: str | None = None
+    limits: Limits = Limits()
+    workers: Workers | None = None  # made by create_app: the pool for tokenising and compiling
 
 
 def sse(payload: dict | str) -> str:
@@ -73,9 +76,12 @@ def create_app(ctx: ServerContext) -> FastAPI:
         finally:
             ctx.engine_loop.draining = True
             await asyncio.to_thread(ctx.engine_loop.shutdown)
+            ctx.workers.shutdown()
 
     app = FastAPI(title="mini-transformer", lifespan=lifespan)
     app.state.ctx = ctx
+    ctx.workers = Workers(ctx.limits)
+    app.add_middleware(BodyLimit, max_bytes=ctx.limits.max_body_bytes, metrics=ctx.metrics)
     install_error_handlers(app, ctx.metrics)
     install_openapi(app, ctx)
     require_key = _key_check(ctx)
@@ -127,14 +133,14 @@ def _add_generation_routes(app: FastAPI, ctx: ServerContext, require_key: Callab
     @app.post("/v1/completions", dependencies=[Depends(require_key)], **describe("completions"))
     async def completions(body: CompletionRequest, request: Request):
         _check_common(ctx, body)
-        prompts = _completion_prompts(ctx, body.prompt)
+        prompts = await ctx.workers.run(_completion_prompts, ctx, body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
         score_only = max_tokens == 0  # lm-eval's loglikelihood: the prompt's logprobs, nothing generated
         if score_only and not body.echo:
             raise ErrorResponse(400, "max_tokens=0 needs echo=true (it returns the prompt and generates nothing)",
                                 param="max_tokens")
         prompt_logprobs = body.logprobs if body.echo else None
-        structured = check_structured(ctx.engine_loop.engine, body)
+        structured = await compile_structured(ctx.engine_loop.engine, ctx.workers, body)
         params = [[body.sampling_params(max(max_tokens, 1), j, ctx.vocab_size, logprobs=body.logprobs,
                                         prompt_logprobs=prompt_logprobs, structured=structured)
                    for j in range(body.n)] for _ in prompts]
@@ -152,15 +158,14 @@ def _add_generation_routes(app: FastAPI, ctx: ServerContext, require_key: Callab
         _check_common(ctx, body)
         if body.top_logprobs is not None and not body.logprobs:
             raise ErrorResponse(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = ctx.codec.encode(ctx.codec.render_chat(messages, body.add_generation_prompt), "messages")
+        prompt = await ctx.workers.run(_chat_prompt, ctx, body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens == 0:
             raise ErrorResponse(400, "max_tokens must be at least 1 for chat completions", param="max_tokens")
         if max_tokens is None:  # OpenAI's default: as much as the context leaves
             max_tokens = max(1, min(ctx.max_model_len, ctx.pool_tokens) - len(prompt))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        structured = check_structured(ctx.engine_loop.engine, body)
+        structured = await compile_structured(ctx.engine_loop.engine, ctx.workers, body)
         params = [[body.sampling_params(max_tokens, j, ctx.vocab_size, logprobs=logprobs, structured=structured)
                    for j in range(body.n)]]
         _check_capacity(ctx, body.n)
@@ -215,13 +220,23 @@ def _check_with_engine(ctx: ServerContext, prompt: list[int], params, param: str
         raise ErrorResponse(400, f"{param}: {err}", param=param, code=code) from None
 
 
+def _chat_prompt(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
+    """The messages through the chat template, tokenised (on a worker thread: it may be long)."""
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    check_prompt_bytes(ctx.limits, "".join(m["content"] or "" for m in messages), "messages")
+    return ctx.codec.encode(ctx.codec.render_chat(messages, body.add_generation_prompt), "messages")
+
+
 def _completion_prompts(ctx: ServerContext, prompt) -> list[list[int]]:
-    """OpenAI's four prompt forms -> a list of token id lists."""
+    """OpenAI's four prompt forms -> a list of token id lists (on a worker thread: texts may be long)."""
     if isinstance(prompt, str):
+        check_prompt_bytes(ctx.limits, prompt, "prompt")
         return [ctx.codec.encode(prompt)]
     if not prompt:
         raise ErrorResponse(400, "prompt is empty; give text or token ids", param="prompt")
     if all(isinstance(p, str) for p in prompt):
+        for i, p in enumerate(prompt):
+            check_prompt_bytes(ctx.limits, p, f"prompt[{i}]")
         return [ctx.codec.encode(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     prompts = [prompt] if all(isinstance(t, int) for t in prompt) else prompt
     return [list(p) for p in prompts]  # token ranges: the engine's check_request
