@@ -114,7 +114,6 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._state_lock = threading.Lock()
-        self._published = {"preemptions": 0, "prefix_cache_hit_tokens": 0, "prefill_tokens_computed": 0}
         self._unscheduled: set[RequestHandle] = set()  # added, not yet seen leave the engine's waiting queue
         self._state: dict = {}
         self._state_time = 0.0
@@ -223,7 +222,7 @@ class EngineLoop:
             handle.cancelled = True
             if self._active.pop(handle.engine_id, None) is not None:
                 self.engine.abort(handle.engine_id)
-                self._observe_finished(handle, "abort", time.monotonic())
+                self._finished(handle, "abort", time.monotonic())
 
     def _note_scheduled(self, step_started: float) -> None:
         """Requests that left the engine's waiting queue in this step: their queue time ends at its start."""
@@ -244,11 +243,11 @@ class EngineLoop:
             new_ids = out.new_token_ids  # plain ints already: the runner read them back with .tolist()
             produced += len(new_ids)
             if new_ids:
-                self._observe_output(handle, now)
+                self.metrics.observe_output(handle, now)
             handle.n_output += len(new_ids)
             if out.finished:
                 del self._active[out.request_id]
-                self._observe_finished(handle, out.finish_reason, now)
+                self._finished(handle, out.finish_reason, now)
             batch.append((handle, StepOutput(new_ids, out.finished, out.finish_reason, tuple(out.logprobs or ()),
                                              tuple(out.prompt_logprobs or ()))))
         if batch:  # every handle lives on the server's one event loop
@@ -257,30 +256,9 @@ class EngineLoop:
         self._tokens_total += produced
         self._recent_tokens.append((now, produced))
 
-    def _observe_output(self, handle: RequestHandle, now: float) -> None:
-        if handle.first_token_at is None:
-            handle.first_token_at = now
-            self.metrics.ttft.observe(now - handle.arrival)
-        else:
-            self.metrics.itl.observe(now - handle.last_output_at)
-        handle.last_output_at = now
-
-    def _observe_finished(self, handle: RequestHandle, reason: str, now: float) -> None:
-        """vLLM's per-request histograms: lengths, and the request's life cut in queue, prefill, decode."""
-        m = self.metrics
+    def _finished(self, handle: RequestHandle, reason: str, now: float) -> None:
         self._unscheduled.discard(handle)
-        m.finished(reason).inc()
-        m.e2e.observe(now - handle.arrival)
-        m.prompt_len.observe(len(handle.prompt_ids))
-        m.generation_len.observe(handle.n_output)
-        m.max_tokens.observe(handle.params.max_tokens)
-        if handle.scheduled_at is not None:
-            m.queue_time.observe(handle.scheduled_at - handle.arrival)
-        if handle.first_token_at is not None:
-            m.prefill_time.observe(handle.first_token_at - (handle.scheduled_at or handle.arrival))
-            m.decode_time.observe(now - handle.first_token_at)
-            if handle.n_output > 1:
-                m.tpot.observe((now - handle.first_token_at) / (handle.n_output - 1))
+        self.metrics.observe_finished(handle, reason, now)
 
     def _fail_all(self, error: ErrorResponse) -> None:
         for engine_id, handle in list(self._active.items()):
@@ -313,14 +291,6 @@ class EngineLoop:
             self._recent_tokens.popleft()
         return sum(n for _, n in self._recent_tokens) / RATE_WINDOW_S
 
-    def _catch_up(self, stats: dict) -> None:
-        """Add what the engine's own counters grew by since the last turn to the Prometheus counters."""
-        grown = {key: stats[key] - seen for key, seen in self._published.items()}
-        self._published = {key: stats[key] for key in self._published}
-        self.metrics.preemptions.inc(grown["preemptions"])
-        self.metrics.prefix_hits.inc(grown["prefix_cache_hit_tokens"])
-        self.metrics.prefix_queries.inc(grown["prefix_cache_hit_tokens"] + grown["prefill_tokens_computed"])
-
     def _publish_state(self, force: bool) -> None:
         """Refresh the gauges and the /v1/engine/state snapshot (at most every STATE_INTERVAL_S while busy)."""
         now = time.monotonic()
@@ -331,7 +301,7 @@ class EngineLoop:
         m.running.set(snapshot.num_running)
         m.waiting.set(snapshot.num_waiting)
         m.observe_pool(snapshot.num_blocks, snapshot.blocks_in_use)
-        self._catch_up(snapshot.stats)
+        m.catch_up(snapshot.stats)
         m.observe_kv_store(snapshot.stats)
         state = engine_state(snapshot, {h.engine_id: h for h in self._active.values()})
         state.update(time=time.time(), tokens_per_s=round(self._tokens_per_s(now), 2),

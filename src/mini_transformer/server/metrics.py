@@ -70,6 +70,7 @@ class ServerMetrics:
         self.max_tokens = histogram(f"{VLLM}request_max_num_generation_tokens",
                                     "max_tokens asked for by finished requests", LENGTH_BUCKETS)
         self._add_own_series(r)
+        self._published = {"preemptions": 0, "prefix_cache_hit_tokens": 0, "prefill_tokens_computed": 0}
 
     def _add_own_series(self, r: CollectorRegistry) -> None:
         """The series vLLM has no name for."""
@@ -92,6 +93,38 @@ class ServerMetrics:
     def finished(self, reason: str):
         """The request_success counter of one finish reason."""
         return self._success.labels(self.model_name, reason)
+
+    def observe_output(self, handle, now: float) -> None:
+        """A request (engine_loop.RequestHandle) got new tokens at `now`."""
+        if handle.first_token_at is None:
+            handle.first_token_at = now
+            self.ttft.observe(now - handle.arrival)
+        else:
+            self.itl.observe(now - handle.last_output_at)
+        handle.last_output_at = now
+
+    def observe_finished(self, handle, reason: str, now: float) -> None:
+        """vLLM's per-request histograms: lengths, and the request's life cut in queue, prefill, decode."""
+        self.finished(reason).inc()
+        self.e2e.observe(now - handle.arrival)
+        self.prompt_len.observe(len(handle.prompt_ids))
+        self.generation_len.observe(handle.n_output)
+        self.max_tokens.observe(handle.params.max_tokens)
+        if handle.scheduled_at is not None:
+            self.queue_time.observe(handle.scheduled_at - handle.arrival)
+        if handle.first_token_at is not None:
+            self.prefill_time.observe(handle.first_token_at - (handle.scheduled_at or handle.arrival))
+            self.decode_time.observe(now - handle.first_token_at)
+            if handle.n_output > 1:
+                self.tpot.observe((now - handle.first_token_at) / (handle.n_output - 1))
+
+    def catch_up(self, stats: dict) -> None:
+        """Add what the engine's own counters grew by since the last call to the Prometheus counters."""
+        grown = {key: stats[key] - seen for key, seen in self._published.items()}
+        self._published = {key: stats[key] for key in self._published}
+        self.preemptions.inc(grown["preemptions"])
+        self.prefix_hits.inc(grown["prefix_cache_hit_tokens"])
+        self.prefix_queries.inc(grown["prefix_cache_hit_tokens"] + grown["prefill_tokens_computed"])
 
     def observe_pool(self, num_blocks: int, blocks_in_use: int) -> None:
         self.num_blocks.set(num_blocks)
