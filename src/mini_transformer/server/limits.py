@@ -36,7 +36,7 @@ class Limits:
     max_schema_depth: int = 64  # nesting of objects and arrays in a JSON schema
     max_guided_choices: int = 1024  # options of a guided_choice
     grammar_compile_timeout_s: float = 10.0  # a compile still running after this is refused
-    workers: int = 2  # threads for tokenising and compiling: how many heavy requests progress at once
+    workers: int = 2  # threads for tokenising, and as many for compiling: heavy requests at once
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_prompt_bytes", "max_schema_bytes", "max_schema_depth",
@@ -46,27 +46,32 @@ class Limits:
 
 
 class Workers:
-    """The bounded pool the HTTP handlers hand their heavy work to."""
+    """The bounded pools the HTTP handlers hand their heavy work to: one for tokenising, one for compiling
+    grammars, so compiles that run long (they cannot be interrupted) never hold up tokenising."""
 
     def __init__(self, limits: Limits):
         self.limits = limits
         self.pool = ThreadPoolExecutor(limits.workers, thread_name_prefix="http-work")
+        self.compile_pool = ThreadPoolExecutor(limits.workers, thread_name_prefix="grammar-compile")
 
     async def run(self, fn, *args):
         """fn(*args) on a worker thread; the event loop serves others meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def run_for_at_most(self, seconds: float, what: str, fn, *args):
-        """fn(*args) on a worker thread, or a 400 once it has run `seconds` (the thread finishes on its
-        own: xgrammar cannot be interrupted, but the pool bounds how many such threads there are)."""
+    async def compile(self, what: str, fn, *args):
+        """fn(*args) on a compile thread, or a 400 naming `what` once it has run the compile timeout (the
+        thread finishes on its own: xgrammar cannot be interrupted, but the pool bounds such threads)."""
+        seconds = self.limits.grammar_compile_timeout_s
         try:
-            return await asyncio.wait_for(self.run(fn, *args), seconds)
+            return await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(self.compile_pool, fn, *args), seconds)
         except TimeoutError:
             raise ErrorResponse(400, f"{what}: compiling it took longer than the server's limit of {seconds:g} s "
                                      "(--grammar-compile-timeout); send a smaller constraint", param=what) from None
 
     def shutdown(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self.pool, self.compile_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def check_prompt_bytes(limits: Limits, text: str, param: str) -> None:

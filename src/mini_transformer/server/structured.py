@@ -74,7 +74,7 @@ async def compile_structured(engine: LLMEngine, workers: Workers, body) -> Struc
     structured, name = await workers.run(requested_structure, body, workers.limits)
     if structured is not None:
         try:
-            await workers.run_for_at_most(workers.limits.grammar_compile_timeout_s, name, _compile, engine, structured)
+            await workers.compile(name, _compile, engine, structured)
         except GrammarError as err:
             raise ErrorResponse(400, f"{name}: {err}", param=name) from None
     return structured
