@@ -32,7 +32,7 @@ def _add_serve(sub) -> None:
 
 def _add_limit_options(p) -> None:
     """What one request may cost before it is refused with a 400 naming the limit (server/limits.py)."""
-    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="largest request body")
+    p.add_argument("--max-body-bytes", type=int, default=2 * 2**20, help="largest request body")
     p.add_argument("--max-prompt-bytes", type=int, default=2**20, help="largest prompt text, before tokenising")
     p.add_argument("--max-schema-bytes", type=int, default=64 * 2**10,
                    help="largest structured-output constraint (JSON schema, regex, grammar, choices)")

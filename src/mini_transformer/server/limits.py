@@ -4,7 +4,8 @@ The event loop serves every client at once (/health, /metrics, each open stream)
 makes it tokenise megabytes or compile a huge grammar would stall them all. So:
 
 - a body past `max_body_bytes` is refused (a 400 naming the limit) as it arrives, before anything
-  parses it (`BodyLimit`, an ASGI middleware);
+  parses it (`BodyLimit`, an ASGI middleware): FastAPI parses the JSON on the event loop, so this limit
+  is what bounds that;
 - a prompt text is refused past `max_prompt_bytes` before it is tokenised;
 - a structured-output constraint is refused past `max_schema_bytes`, `max_schema_depth` nesting levels
   or `max_guided_choices` options before xgrammar sees it;
@@ -30,7 +31,7 @@ from .protocol import ErrorResponse
 
 @dataclass(frozen=True)
 class Limits:
-    max_body_bytes: int = 8 * 2**20  # a request body, as sent
+    max_body_bytes: int = 2 * 2**20  # a request body, as sent: bounds the JSON parsing left on the event loop
     max_prompt_bytes: int = 2**20  # one prompt text (or all messages' texts), UTF-8, before tokenising
     max_schema_bytes: int = 64 * 2**10  # a JSON schema, regex or grammar, as text
     max_schema_depth: int = 64  # nesting of objects and arrays in a JSON schema
