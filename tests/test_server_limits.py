@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from server_support import make_char_checkpoint, running_server
+from server_support import make_char_checkpoint, running_server, slowed_engine
 
 from mini_transformer.engine import EngineConfig
 from mini_transformer.server.limits import Limits, nesting_depth
@@ -63,6 +63,30 @@ def test_a_hundred_thousand_choices_are_refused_while_health_answers(served):
     response, times = health_while(served, lambda c: c.post("/v1/completions", json=completion(guided_choice=choices)))
     refused(response, "guided_choice", "--max-guided-choices")
     assert max(times) < HEALTH_BOUND_S, times
+
+
+def test_an_open_stream_keeps_flowing_while_a_heavy_request_is_refused(served):
+    body = completion(prompt="Keep going", max_tokens=50, stream=True, ignore_eos=True)  # fits the 64-token context
+    heavy = completion(guided_choice=[f"option {i}" for i in range(100_000)])
+    arrivals: list[float] = []
+    with slowed_engine(served, 0.1), httpx.Client(base_url=served.url, timeout=60) as client, \
+            client.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # the stream runs
+        answer: dict = {}
+        thread = threading.Thread(target=lambda: answer.update(r=httpx.post(served.url + "/v1/completions",
+                                                                             json=heavy, timeout=120),
+                                                                at=time.monotonic()))
+        thread.start()
+        for line in lines:  # bounded: the request has 50 tokens; read to its end
+            if line.startswith("data: "):
+                arrivals.append(time.monotonic())
+        thread.join()
+        heavy_done = answer["at"]
+    refused(answer["r"], "guided_choice", "--max-guided-choices")
+    assert arrivals[-1] > heavy_done, "the stream ended before the heavy request was refused"
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    assert max(gaps) < HEALTH_BOUND_S, gaps
 
 
 def test_a_schema_nested_deeper_than_the_limit_is_refused(served):
