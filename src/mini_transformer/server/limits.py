@@ -1,4 +1,4 @@
-"""What one request may cost, and where the costly work runs: never on the event loop.
+"""What one request may cost, and where its costly work runs: off the event loop, or bounded there.
 
 The event loop serves every client at once (/health, /metrics, each open stream), so a request that
 makes it tokenise megabytes or compile a huge grammar would stall them all. So:
@@ -9,8 +9,8 @@ makes it tokenise megabytes or compile a huge grammar would stall them all. So:
 - a prompt text is refused past `max_prompt_bytes` before it is tokenised;
 - a structured-output constraint is refused past `max_schema_bytes`, `max_schema_depth` nesting levels
   or `max_guided_choices` options before xgrammar sees it;
-- what is left (tokenising, compiling the grammar) runs on a small thread pool (`Workers`): xgrammar
-  and the tokenizers release the GIL or are preempted every few milliseconds, so the loop keeps
+- what is left (tokenising, compiling the grammar) runs on small thread pools (`Workers`): xgrammar
+  and the tokenizers release the GIL or yield it at Python's switch interval, so the loop keeps
   answering; a compile that runs past `grammar_compile_timeout_s` is a 400 naming that limit.
 
 Each limit is a serve option (cli/serve_command.py); docs/07 §3 says why.
