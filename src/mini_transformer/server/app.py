@@ -58,7 +58,7 @@ class ServerContext:
     vocab_size: int
     api_key: str | None = None
     limits: Limits = Limits()
-    workers: Workers | None = None  # made by create_app: the pool for tokenising and compiling
+    workers: Workers | None = None  # made by create_app: the pools for tokenising and compiling
 
 
 def sse(payload: dict | str) -> str:
