@@ -5,7 +5,9 @@ One server (tiny random model, char tokenizer) on a free port of 127.0.0.1 serve
 """
 
 import json
+import re
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -152,7 +154,8 @@ def test_engine_state_json_and_stream(served):
     assert state["num_blocks"] == 512 and state["block_size"] == 4
     assert len(state["pool"]["ref_count"]) == 512 and len(state["pool"]["cached"]) == 512
     assert state["running"] == [] and state["waiting"] == []
-    with served.http.stream("GET", "/v1/engine/state", params={"stream": "true"}) as response:
+    assert "pool" in served.http.get("/v1/engine/state", params={"stream": "true"}, timeout=5).json()  # no Accept
+    with served.http.stream("GET", "/v1/engine/state", headers={"Accept": "text/event-stream"}) as response:
         lines = response.iter_lines()
         events = []
         for line in lines:  # bounded: two events, then the client leaves
@@ -228,8 +231,7 @@ def metric(served, name: str) -> float:
 
 
 def test_disconnect_mid_stream_aborts_and_frees_the_blocks(served):
-    aborted = metric(served, 'mini_transformer_requests_finished_total{finish_reason="abort"}') \
-        if 'finish_reason="abort"' in served.http.get("/metrics").text else 0.0
+    aborted = metric(served, f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}')
     body = {"model": MODEL, "prompt": "Leave early", "max_tokens": 360, "temperature": 0, "stream": True}
     # slowed: the request must still run when the client leaves (unslowed it lasts ~0.3 s on an idle machine)
     with slowed_engine(served), httpx.Client(base_url=served.url, timeout=30) as client, \
@@ -245,21 +247,21 @@ def test_disconnect_mid_stream_aborts_and_frees_the_blocks(served):
     while metric(served, "mini_transformer_kv_blocks_in_use") > 0:
         assert time.monotonic() < deadline, "blocks still held after the client left"
         time.sleep(0.05)
-    assert metric(served, 'mini_transformer_requests_finished_total{finish_reason="abort"}') == aborted + 1
+    assert metric(served, f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}') == aborted + 1
     assert served.ctx.engine_loop.engine.stats()["requests_aborted"] >= 1
 
 
 def test_metrics_export_the_histograms_and_counters(served):
     served.client.completions.create(model=MODEL, prompt="count me", max_tokens=4, temperature=0)
     text = served.http.get("/metrics").text
-    for name in ("mini_transformer_num_requests_running", "mini_transformer_num_requests_waiting",
-                 "mini_transformer_kv_blocks_in_use", "mini_transformer_prefix_cache_hit_rate",
-                 "mini_transformer_time_to_first_token_seconds_bucket",
-                 "mini_transformer_time_per_output_token_seconds_count", "mini_transformer_generation_tokens_total",
-                 "mini_transformer_preemptions_total"):  # a count that only grows: a counter, named _total
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "mini_transformer_kv_blocks_in_use", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:time_per_output_token_seconds_count", "vllm:generation_tokens_total",
+                 "vllm:num_preemptions_total"):  # a count that only grows: a counter, named _total
         assert name in text
-    assert "# TYPE mini_transformer_preemptions_total counter" in text
-    assert metric(served, "mini_transformer_generation_tokens_total") >= 4
+    assert "# TYPE vllm:num_preemptions_total counter" in text
+    assert metric(served, "vllm:generation_tokens_total") >= 4
     assert served.http.get("/health").json() == {"status": "ok"}
 
 
@@ -452,3 +454,36 @@ def test_warm_up_leaves_the_engine_empty_and_its_greedy_tokens_unchanged(tmp_pat
     prompts = [tokenizer.encode(text) for text in ("Hello there", "a", "The quick brown fox jumps")]
     got = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     assert got == offline_greedy(model, prompts, 8)
+
+
+def test_every_series_of_vllms_dashboard_is_exported_with_model_name(served):
+    """vLLM's own Grafana dashboard (tests/data/) reads this server: each series it queries is here."""
+    dashboard = json.loads((Path(__file__).parent / "data" / "vllm_grafana_dashboard.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    queried = {name for expr in exprs for name in re.findall(r"vllm:[A-Za-z0-9_:]+", expr)}
+    assert len(queried) >= 17
+    served.client.completions.create(model=MODEL, prompt="for the dashboard", max_tokens=3, temperature=0)
+    lines = served.http.get("/metrics").text.splitlines()
+    for name in sorted(queried):
+        found = [line for line in lines if line.startswith(name + "{")]
+        assert found, f"{name} not in /metrics"
+        assert all(f'model_name="{MODEL}"' in line for line in found), found[:2]
+    assert metric(served, f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}') >= 1
+    assert 0.0 <= metric(served, "vllm:kv_cache_usage_perc") <= 1.0
+
+
+def test_non_streamed_requests_are_aborted_when_their_client_leaves(served):
+    """n > 1, tokens flowing: the client that left is noticed anyway, and all its choices aborted."""
+    aborted = metric(served, f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}')
+    body = {"model": MODEL, "prompt": "Walk away", "max_tokens": 300, "n": 4, "temperature": 1.0, "seed": 3,
+            "ignore_eos": True}
+    with slowed_engine(served):
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up while its choices still decode
+            httpx.post(served.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.4))
+        left = time.monotonic()
+        deadline = left + 30  # a bound on a loaded machine; unloaded it takes one disconnect poll
+        while served.ctx.engine_loop.engine.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the engine still runs the request of a client that left"
+            time.sleep(0.02)
+    assert metric(served, f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}') \
+        == aborted + 4

@@ -34,8 +34,29 @@ def _add_serve(sub) -> None:
     add_model_options(p)
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false", help="skip the dummy requests "
                    "stepped before the server reports ready (they compile the CPU decode attention)")
+    _add_limit_options(p)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=_run_serve)
+
+
+def _add_limit_options(p) -> None:
+    """What one request may cost before it is refused with a 400 naming the limit (server/limits.py)."""
+    p.add_argument("--max-body-bytes", type=int, default=2 * 2**20, help="largest request body")
+    p.add_argument("--max-prompt-bytes", type=int, default=2**20, help="largest prompt text, before tokenising")
+    p.add_argument("--max-schema-bytes", type=int, default=64 * 2**10,
+                   help="largest structured-output constraint (JSON schema, regex, grammar, choices)")
+    p.add_argument("--max-schema-depth", type=int, default=64, help="deepest nesting of a JSON schema")
+    p.add_argument("--max-guided-choices", type=int, default=1024, help="most options of a guided_choice")
+    p.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a constraint still compiling after this is refused")
+
+
+def _limits(args):
+    from ..server.limits import Limits
+
+    return Limits(max_body_bytes=args.max_body_bytes, max_prompt_bytes=args.max_prompt_bytes,
+                  max_schema_bytes=args.max_schema_bytes, max_schema_depth=args.max_schema_depth,
+                  max_guided_choices=args.max_guided_choices, grammar_compile_timeout_s=args.grammar_compile_timeout)
 
 
 def _run_serve(args) -> None:
@@ -57,7 +78,8 @@ def _run_serve(args) -> None:
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     ctx = build_context(args.checkpoint, config=config, model=model, model_name=args.model_name,
                         api_key=api_key, max_waiting=args.max_waiting, device=args.device, kv_store=args.kv_store,
-                        host_kv_bytes=args.host_kv_bytes, kv_store_secret=kv_store_secret, warm_up=args.warm_up)
+                        host_kv_bytes=args.host_kv_bytes, kv_store_secret=kv_store_secret, warm_up=args.warm_up,
+                        limits=_limits(args))
     print(f"serving {ctx.model_name!r} on http://{args.host}:{args.port} (live page at /, API under /v1)",
           flush=True)
     serve(ctx, host=args.host, port=args.port, log_level=args.log_level, host_names=tuple(args.allowed_hosts))

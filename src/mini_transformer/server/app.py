@@ -7,8 +7,8 @@
     GET  /v1/models/{id}       that model (404 for another id)
     POST /v1/completions       text, texts or token ids; streamed (SSE) or not
     POST /v1/chat/completions  messages through the chat template; streamed (SSE) or not
-    GET  /v1/engine/state      queues, block tables and the pool (JSON; ?stream=true for SSE, a stream that
-                               runs until the client leaves, so it is kept out of the OpenAPI schema)
+    GET  /v1/engine/state      queues, block tables and the pool: JSON, or SSE for a client that sends
+                               `Accept: text/event-stream` (an EventSource; it runs until the client leaves)
     POST /tokenize, /detokenize, GET /tokenizer_info   the checkpoint's tokenizer (vLLM's shapes; tokenize.py)
 
 Every /v1 and tokenizer route, and /metrics, needs `Authorization: Bearer KEY` when the server has an
@@ -34,11 +34,12 @@ from .access import LOCAL_HOSTS, add_host_check, key_check
 from .engine_loop import EngineLoop
 from .errors import install_error_handlers
 from .generation import ClientGone, Generation, Options
+from .limits import BodyLimit, Limits, Workers, check_prompt_bytes
 from .logprobs import CompletionLogprobs, chat_logprobs, prompt_logprobs_json, scored
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from .schema import METRICS_CONTENT, describe, install_openapi
-from .structured import check_structured
+from .structured import compile_structured
 from .text import TextCodec
 from .tokenize import add_tokenizer_routes
 
@@ -59,6 +60,8 @@ class ServerContext:
     vocab_size: int
     api_key: str | None = None
     allowed_hosts: frozenset[str] = LOCAL_HOSTS  # Host header names answered, without the port, lower case
+    limits: Limits = Limits()
+    workers: Workers | None = None  # made by create_app: the pools for tokenising and compiling
 
 
 def sse(payload: dict | str) -> str:
@@ -76,9 +79,12 @@ def create_app(ctx: ServerContext) -> FastAPI:
         finally:
             ctx.engine_loop.draining = True
             await asyncio.to_thread(ctx.engine_loop.shutdown)
+            ctx.workers.shutdown()
 
     app = FastAPI(title="mini-transformer", lifespan=lifespan)
     app.state.ctx = ctx
+    ctx.workers = Workers(ctx.limits)
+    app.add_middleware(BodyLimit, max_bytes=ctx.limits.max_body_bytes, metrics=ctx.metrics)
     install_error_handlers(app, ctx.metrics)
     add_host_check(app, ctx.allowed_hosts, ctx.metrics)
     install_openapi(app, ctx)
@@ -121,7 +127,7 @@ def _add_generation_routes(app: FastAPI, ctx: ServerContext, require_key: Callab
     @app.post("/v1/completions", dependencies=[Depends(require_key)], **describe("completions"))
     async def completions(body: CompletionRequest, request: Request):
         _check_common(ctx, body)
-        prompts = _completion_prompts(ctx, body.prompt)
+        prompts = await ctx.workers.run(_completion_prompts, ctx, body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
         score_only = max_tokens == 0  # lm-eval's loglikelihood: the prompt's logprobs, nothing generated
         if score_only and not body.echo:
@@ -130,7 +136,7 @@ def _add_generation_routes(app: FastAPI, ctx: ServerContext, require_key: Callab
         # the engine scores the prompt once, for echo's logprobs and prompt_logprobs: the larger N serves both
         wanted = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None]
         prompt_logprobs = max(wanted, default=None)
-        structured = check_structured(ctx.engine_loop.engine, body)
+        structured = await compile_structured(ctx.engine_loop.engine, ctx.workers, body)
         params = [[body.sampling_params(max(max_tokens, 1), j, ctx.vocab_size, logprobs=body.logprobs,
                                         prompt_logprobs=prompt_logprobs, structured=structured)
                    for j in range(body.n)] for _ in prompts]
@@ -148,15 +154,14 @@ def _add_generation_routes(app: FastAPI, ctx: ServerContext, require_key: Callab
         _check_common(ctx, body)
         if body.top_logprobs is not None and not body.logprobs:
             raise ErrorResponse(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = ctx.codec.encode(ctx.codec.render_chat(messages, body.add_generation_prompt), "messages")
+        prompt = await ctx.workers.run(_chat_prompt, ctx, body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens == 0:
             raise ErrorResponse(400, "max_tokens must be at least 1 for chat completions", param="max_tokens")
         if max_tokens is None:  # OpenAI's default: as much as the context leaves
             max_tokens = max(1, min(ctx.max_model_len, ctx.pool_tokens) - len(prompt))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        structured = check_structured(ctx.engine_loop.engine, body)
+        structured = await compile_structured(ctx.engine_loop.engine, ctx.workers, body)
         params = [[body.sampling_params(max_tokens, j, ctx.vocab_size, logprobs=logprobs, structured=structured)
                    for j in range(body.n)]]
         _check_capacity(ctx, body.n)
@@ -170,8 +175,8 @@ def _add_generation_routes(app: FastAPI, ctx: ServerContext, require_key: Callab
 def _add_state_route(app: FastAPI, ctx: ServerContext, require_key: Callable) -> None:
     @app.get("/v1/engine/state", dependencies=[Depends(require_key)], **describe("state"))
     async def engine_state(request: Request):
-        # ?stream=true is read here, not declared: a stream that never ends stays out of the schema
-        if request.query_params.get("stream", "false").lower() not in ("true", "1"):
+        # only a client that asks for events gets the endless stream; an ordinary GET gets one JSON snapshot
+        if "text/event-stream" not in request.headers.get("accept", ""):
             return ctx.engine_loop.state()
 
         async def events():
@@ -215,13 +220,23 @@ def _check_with_engine(ctx: ServerContext, prompt: list[int], params, param: str
         raise ErrorResponse(400, f"{param}: {err}", param=param, code=code) from None
 
 
+def _chat_prompt(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
+    """The messages through the chat template, tokenised (on a worker thread: it may be long)."""
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    check_prompt_bytes(ctx.limits, "".join(m["content"] or "" for m in messages), "messages")
+    return ctx.codec.encode(ctx.codec.render_chat(messages, body.add_generation_prompt), "messages")
+
+
 def _completion_prompts(ctx: ServerContext, prompt) -> list[list[int]]:
-    """OpenAI's four prompt forms -> a list of token id lists."""
+    """OpenAI's four prompt forms -> a list of token id lists (on a worker thread: texts may be long)."""
     if isinstance(prompt, str):
+        check_prompt_bytes(ctx.limits, prompt, "prompt")
         return [ctx.codec.encode(prompt)]
     if not prompt:
         raise ErrorResponse(400, "prompt is empty; give text or token ids", param="prompt")
     if all(isinstance(p, str) for p in prompt):
+        for i, p in enumerate(prompt):
+            check_prompt_bytes(ctx.limits, p, f"prompt[{i}]")
         return [ctx.codec.encode(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     prompts = [prompt] if all(isinstance(t, int) for t in prompt) else prompt
     return [list(p) for p in prompts]  # token ranges: the engine's check_request

@@ -76,7 +76,9 @@ class RequestHandle:
     index: int = 0
     arrival: float = field(default_factory=time.monotonic)
     engine_id: object = None  # the engine's request id, set by the engine thread
+    scheduled_at: float | None = None  # the start of the first step that ran it (queue time ends here)
     first_token_at: float | None = None
+    last_output_at: float | None = None
     n_output: int = 0
     cancelled: bool = False  # aborted (engine thread's view)
     done: bool = False  # finished or aborted (asyncio side's view)
@@ -112,7 +114,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._state_lock = threading.Lock()
-        self._preemptions_published = 0  # the engine's count already added to the preemptions counter
+        self._unscheduled: set[RequestHandle] = set()  # added, not yet seen leave the engine's waiting queue
         self._state: dict = {}
         self._state_time = 0.0
         self._recent_tokens: collections.deque = collections.deque()  # (time, tokens) within RATE_WINDOW_S
@@ -184,11 +186,13 @@ class EngineLoop:
         if not self._active:
             self._publish_state(force=True)
             return
+        started = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as err:  # an engine bug must not kill the server: fail what is in flight
             self._fail_all(ErrorResponse(500, f"engine step failed: {type(err).__name__}: {err}"))
             return
+        self._note_scheduled(started)
         self._deliver(outputs, time.monotonic())
         self._publish_state(force=not self._active)
 
@@ -211,13 +215,23 @@ class EngineLoop:
             # checked by the HTTP handler (engine.check_request, app.py): not checked a second time here
             handle.engine_id = self.engine.add_checked_request(handle.prompt_ids, handle.params)
             self._active[handle.engine_id] = handle
+            self._unscheduled.add(handle)
             self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
             handle.push(Accepted())
         elif kind == "abort":
             handle.cancelled = True
             if self._active.pop(handle.engine_id, None) is not None:
                 self.engine.abort(handle.engine_id)
-                self.metrics.finished.labels("abort").inc()
+                self._finished(handle, "abort", time.monotonic())
+
+    def _note_scheduled(self, step_started: float) -> None:
+        """Requests that left the engine's waiting queue in this step: their queue time ends at its start."""
+        if not self._unscheduled:
+            return
+        waiting = {seq.request_id for seq in self.engine.scheduler.waiting}
+        for handle in [h for h in self._unscheduled if h.engine_id not in waiting]:
+            handle.scheduled_at = step_started
+            self._unscheduled.discard(handle)
 
     def _deliver(self, outputs, now: float) -> None:
         """Hand each request its new ids: one wake-up of the event loop per step, not one per request."""
@@ -228,13 +242,12 @@ class EngineLoop:
                 continue
             new_ids = out.new_token_ids  # plain ints already: the runner read them back with .tolist()
             produced += len(new_ids)
-            if new_ids and handle.first_token_at is None:
-                handle.first_token_at = now
-                self.metrics.ttft.observe(now - handle.arrival)
+            if new_ids:
+                self.metrics.observe_output(handle, now)
             handle.n_output += len(new_ids)
             if out.finished:
                 del self._active[out.request_id]
-                self._observe_finished(handle, out.finish_reason, now)
+                self._finished(handle, out.finish_reason, now)
             batch.append((handle, StepOutput(new_ids, out.finished, out.finish_reason, tuple(out.logprobs or ()),
                                              tuple(out.prompt_logprobs or ()))))
         if batch:  # every handle lives on the server's one event loop
@@ -243,11 +256,9 @@ class EngineLoop:
         self._tokens_total += produced
         self._recent_tokens.append((now, produced))
 
-    def _observe_finished(self, handle: RequestHandle, reason: str, now: float) -> None:
-        self.metrics.finished.labels(reason).inc()
-        self.metrics.e2e.observe(now - handle.arrival)
-        if handle.first_token_at is not None and handle.n_output > 1:
-            self.metrics.tpot.observe((now - handle.first_token_at) / (handle.n_output - 1))
+    def _finished(self, handle: RequestHandle, reason: str, now: float) -> None:
+        self._unscheduled.discard(handle)
+        self.metrics.observe_finished(handle, reason, now)
 
     def _fail_all(self, error: ErrorResponse) -> None:
         for engine_id, handle in list(self._active.items()):
@@ -257,6 +268,7 @@ class EngineLoop:
                 pass
             _push_quietly(handle, Failed(error))
         self._active.clear()
+        self._unscheduled.clear()
 
     def _fail_everything(self, error: ErrorResponse) -> None:
         """Fail every request the thread knows of: the active ones, the one being handled, the inbox's."""
@@ -288,11 +300,8 @@ class EngineLoop:
         m = self.metrics
         m.running.set(snapshot.num_running)
         m.waiting.set(snapshot.num_waiting)
-        m.num_blocks.set(snapshot.num_blocks)
-        m.blocks_in_use.set(snapshot.blocks_in_use)
-        m.preemptions.inc(snapshot.stats["preemptions"] - self._preemptions_published)  # catch up with the engine
-        self._preemptions_published = snapshot.stats["preemptions"]
-        m.prefix_hit_rate.set(snapshot.prefix_cache_hit_rate)
+        m.observe_pool(snapshot.num_blocks, snapshot.blocks_in_use)
+        m.catch_up(snapshot.stats)
         m.observe_kv_store(snapshot.stats)
         state = engine_state(snapshot, {h.engine_id: h for h in self._active.values()})
         state.update(time=time.time(), tokens_per_s=round(self._tokens_per_s(now), 2),

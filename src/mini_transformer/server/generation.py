@@ -11,6 +11,7 @@ still running and gives the capacity back.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -21,7 +22,7 @@ from .logprobs import Scored, scored
 from .protocol import ErrorResponse
 from .text import IncrementalText, TextCodec
 
-DISCONNECT_POLL_S = 0.5  # a waiting request checks this often whether its client or the engine thread has gone
+DISCONNECT_POLL_S = 0.25  # a request checks this often whether its client or the engine thread has gone
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class Generation:
         self.handles: list[RequestHandle] = []
         self._early: list[tuple[int, StepOutput]] = []  # outputs that came while waiting for acceptance
         self._reserved = 0
+        self._check_at = 0.0  # when _next next asks whether the client is still there
 
     @property
     def prompt_tokens(self) -> int:
@@ -175,15 +177,19 @@ class Generation:
         return Event(index, text, finish, tokens)
 
     async def _next(self, is_disconnected):
-        """The next queued item; every DISCONNECT_POLL_S without one, check the client and the engine thread."""
+        """The next queued item; every DISCONNECT_POLL_S, whether or not items flow, check that the client
+        and the engine thread are still there (a busy engine must not hide a client that left)."""
         while True:
-            try:
-                return await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
-            except TimeoutError:
+            if time.monotonic() >= self._check_at:
+                self._check_at = time.monotonic() + DISCONNECT_POLL_S
                 if is_disconnected is not None and await is_disconnected():
-                    raise ClientGone() from None
+                    raise ClientGone()
                 if not self.engine_loop.alive and self.queue.empty():
-                    raise ErrorResponse(503, "the engine thread is not running", code="engine_dead") from None
+                    raise ErrorResponse(503, "the engine thread is not running", code="engine_dead")
+            try:
+                return await asyncio.wait_for(self.queue.get(), self._check_at - time.monotonic())
+            except TimeoutError:
+                continue
 
     def close(self) -> None:
         """Abort what still runs and give the capacity back; safe to call more than once."""

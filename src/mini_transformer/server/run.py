@@ -21,6 +21,7 @@ from ..tokenizer import check_vocab_size
 from .access import allowed_hosts
 from .app import ServerContext, create_app
 from .engine_loop import EngineLoop
+from .limits import Limits
 from .metrics import ServerMetrics
 from .text import TextCodec
 
@@ -36,13 +37,15 @@ UNSIGNED_STORE = ("kv store: entries are not signed (no --kv-store-secret-file o
 def build_context(checkpoint: str | Path, *, config: EngineConfig | None = None, model_name: str | None = None,
                   api_key: str | None = None, max_waiting: int = 256, device: str = "cpu", model=None,
                   kv_store: str | None = None, host_kv_bytes: int | None = None,
-                  kv_store_secret: bytes | None = None, warm_up: bool = False) -> ServerContext:
+                  kv_store_secret: bytes | None = None, warm_up: bool = False,
+                  limits: Limits | None = None) -> ServerContext:
     """Load the model and tokenizer of `checkpoint` (ours or a Hugging Face GPT-2 / Llama directory) and
     put an engine around them, sized by `config` (None: EngineConfig's defaults). `model` may be given to
     serve a model already in memory. `kv_store`
     (redis://HOST:PORT) and `host_kv_bytes` add KV store tiers behind the pool (engine/kv_connector.py),
     whose entries are signed with `kv_store_secret` (shared by the replicas; kv_store_secret_from).
-    `warm_up`: run warm_up_engine before returning, so no client pays for compiling."""
+    `warm_up`: run warm_up_engine before returning, so no client pays for compiling. `limits`: what one
+    request may cost (body, prompt, constraint sizes, grammar compile time; None: Limits' defaults)."""
     from ..engine import LLMEngine
 
     non_negative_int("max_waiting", max_waiting)  # EngineConfig checked its own fields
@@ -61,12 +64,13 @@ def build_context(checkpoint: str | Path, *, config: EngineConfig | None = None,
     if warm_up:
         warm_up_engine(engine)
     stats = engine.stats()
-    metrics = ServerMetrics()
+    model_name = model_name or Path(checkpoint).resolve().name
+    metrics = ServerMetrics(model_name)
     return ServerContext(
         engine_loop=EngineLoop(engine, metrics, max_waiting=max_waiting),
-        codec=codec, metrics=metrics, model_name=model_name or Path(checkpoint).resolve().name,
+        codec=codec, metrics=metrics, model_name=model_name,
         max_model_len=model.config.max_seq_len, pool_tokens=stats["num_blocks"] * config.block_size,
-        vocab_size=model.config.vocab_size, api_key=api_key,
+        vocab_size=model.config.vocab_size, api_key=api_key, limits=Limits() if limits is None else limits,
     )
 
 

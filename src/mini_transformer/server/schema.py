@@ -19,6 +19,11 @@ from pydantic import BaseModel, ConfigDict
 
 METRICS_CONTENT = CONTENT_TYPE_LATEST  # Prometheus' text exposition format
 SSE_CONTENT = "text/event-stream"
+# OpenAPI 3.1 has the schema of a text/event-stream describe one event (the convention schemathesis
+# follows): each event carries a `data` line, a JSON chunk of the 200's shape, an error object, or [DONE]
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string", "description": "a JSON chunk, an error object, or [DONE]"},
+                            "event": {"type": "string"}, "id": {"type": "string"}}}
 
 
 class ErrorDetail(BaseModel):
@@ -191,7 +196,8 @@ def describe(name: str) -> dict:
     if model is not None:
         ok["model"] = model
     if other_content is not None:
-        ok["content"] = {other_content: {"schema": {"type": "string"}}}
+        schema = SSE_EVENT if other_content == SSE_CONTENT else {"type": "string"}
+        ok["content"] = {other_content: {"schema": schema}}
     responses: dict = {200: ok}
     if name == "health":
         responses[503] = {"model": Health, "description": "shutting down, or the engine thread is gone"}
@@ -244,6 +250,7 @@ def install_openapi(app: FastAPI, ctx) -> None:
             for (model, prop), kind in _MODEL_BOUNDS.items():
                 if prop in components.get(model, {}).get("properties", {}):
                     _bound_integers(components[model]["properties"][prop], limits[kind])
+            _add_examples(schema["paths"], ctx)
             pattern = _vocabulary_pattern(ctx.codec.tokenizer)
             if pattern is not None:  # a character vocabulary: a text may hold its characters only
                 for model, prop in _TEXTS:
@@ -253,6 +260,18 @@ def install_openapi(app: FastAPI, ctx) -> None:
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+def _add_examples(paths: dict, ctx) -> None:
+    """A plain and a streamed example request per generation route, valid for the loaded model (token
+    ids every vocabulary has), so a schema-driven client also tries the text/event-stream answer."""
+    text = ctx.codec.decode([0, 1])
+    bodies = {"/v1/completions": {"model": ctx.model_name, "prompt": [0, 1], "max_tokens": 2},
+              "/v1/chat/completions": {"model": ctx.model_name, "max_tokens": 2,
+                                       "messages": [{"role": "user", "content": text}]}}
+    for path, body in bodies.items():
+        content = paths[path]["post"]["requestBody"]["content"]["application/json"]
+        content["examples"] = {"plain": {"value": body}, "streamed": {"value": {**body, "stream": True}}}
 
 
 def _bound_integers(node, maximum: int) -> None:

@@ -7,9 +7,11 @@ one StructuredOutput, or a 400 naming the field.
     guided_json: a schema (object or JSON text)   guided_regex: a regex   guided_choice: ["a", "b"]
     guided_grammar: EBNF (xgrammar's dialect)
 
-At most one of them. Whether the schema / regex / grammar compiles is the engine's check (it compiles
-once and caches); `check_structured` runs it here so a bad one is a 400 naming the field, before anything
-is queued.
+At most one of them. Past the server's size limits (limits.py) it is a 400 before anything compiles it.
+Whether the schema / regex / grammar compiles is the engine's check (it compiles once and caches);
+`compile_structured` runs it here, on a worker thread and within the compile timeout, so a bad one is a
+400 naming the field before anything is queued, and neither the event loop nor the engine thread waits
+on xgrammar (the engine finds the grammar in its cache).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from ..engine import LLMEngine
 from ..engine.structured import GrammarError
 from ..inference.structured import StructuredOutput
+from .limits import Limits, Workers, check_constraint_size
 from .protocol import ErrorResponse
 
 FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -28,7 +31,7 @@ def _value(body, name: str):
     return value if value is not None else (getattr(body, "model_extra", None) or {}).get(name)
 
 
-def requested_structure(body) -> tuple[StructuredOutput | None, str | None]:
+def requested_structure(body, limits: Limits) -> tuple[StructuredOutput | None, str | None]:
     """The request's constraint and the field that gave it; (None, None) when there is none."""
     given = [(name, value) for name in FIELDS if (value := _value(body, name)) is not None]
     if given and given[0][0] == "response_format" and _response_format(given[0][1]) is None:
@@ -39,6 +42,7 @@ def requested_structure(body) -> tuple[StructuredOutput | None, str | None]:
     if not given:
         return None, None
     name, value = given[0]
+    check_constraint_size(limits, name, value)
     try:
         if name == "response_format":
             return _response_format(value), name
@@ -64,13 +68,18 @@ def _response_format(value) -> StructuredOutput | None:
     return StructuredOutput(json_schema=spec["schema"])
 
 
-def check_structured(engine: LLMEngine, body) -> StructuredOutput | None:
-    """The request's constraint, compiled (and cached) by the engine now: a 400 naming the field if the
-    schema, regex or grammar does not compile, or the server's tokenizer cannot express it."""
-    structured, name = requested_structure(body)
+async def compile_structured(engine: LLMEngine, workers: Workers, body) -> StructuredOutput | None:
+    """The request's constraint, compiled (and cached) by the engine now, on a worker thread: a 400 naming
+    the field if it is too large, does not compile (in time), or the server's tokenizer cannot express it."""
+    structured, name = await workers.run(requested_structure, body, workers.limits)
     if structured is not None:
         try:
-            engine.structured_output.compile(structured)
+            await workers.compile(name, _compile, engine, structured)
         except GrammarError as err:
             raise ErrorResponse(400, f"{name}: {err}", param=name) from None
     return structured
+
+
+def _compile(engine: LLMEngine, structured: StructuredOutput) -> None:
+    """On a worker thread: the first call also builds the engine's compiler (imports xgrammar)."""
+    engine.structured_output.compile(structured)

@@ -15,6 +15,7 @@ from typing import Annotated
 from fastapi import Depends, FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
+from .limits import check_prompt_bytes
 from .protocol import ChatMessage, Count, ErrorResponse
 from .schema import describe
 
@@ -50,18 +51,23 @@ def add_tokenizer_routes(app: FastAPI, ctx, require_key) -> None:
             raise ErrorResponse(404, f"model {model!r} does not exist; this server serves {ctx.model_name!r}",
                                 param="model", code="model_not_found")
 
+    def encode(body: TokenizeText | TokenizeChat) -> list[int]:
+        if isinstance(body, TokenizeChat):
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            check_prompt_bytes(ctx.limits, "".join(m["content"] or "" for m in messages), "messages")
+            text, param = codec.render_chat(messages, body.add_generation_prompt), "messages"
+        else:
+            check_prompt_bytes(ctx.limits, body.prompt, "prompt")
+            text, param = body.prompt, "prompt"
+        try:
+            return codec.tokenizer.encode(text)
+        except ValueError as err:
+            raise ErrorResponse(400, f"{param}: {err}", param=param) from None
+
     @app.post("/tokenize", dependencies=[Depends(require_key)], **describe("tokenize"))
     async def tokenize(body: TokenizeText | TokenizeChat):
         check_model(body.model)
-        if isinstance(body, TokenizeChat):
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text, param = codec.render_chat(messages, body.add_generation_prompt), "messages"
-        else:
-            text, param = body.prompt, "prompt"
-        try:
-            ids = codec.tokenizer.encode(text)
-        except ValueError as err:
-            raise ErrorResponse(400, f"{param}: {err}", param=param) from None
+        ids = await ctx.workers.run(encode, body)  # a long text must not stall the event loop
         strs = [codec.token_text(i) for i in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "token_strs": strs}
 
