@@ -24,9 +24,10 @@ methods that read only those fields:
   decode(q, k_cache, v_cache, meta)           every row one query. `paged_decode_attention` is the readable
       reference (run eagerly it gathers the blocks): `PagedAttention` runs it as it is,
       `CompiledPagedAttention` through torch.compile (inductor turns the `[block_tables]` indexing into
-      loads inside the reductions), `CpuPagedAttention` runs the C++ kernel of `paged_cpu.py` instead: one
-      task per sequence walks its block table with an online softmax, no gathered copy, no padding (the
-      FlashAttention idea of stage 4 applied to pages). On a GPU, triton_paged.py's TritonPagedAttention
+      loads inside the reductions), `CpuPagedAttention` runs the C++ kernel of `paged_cpu.py` instead: each
+      task (a sequence, or a (sequence, kv head) when the sequences are fewer than the threads) walks its
+      block table with an online softmax, no gathered copy, no padding (the FlashAttention idea of stage 4
+      applied to pages). On a GPU, triton_paged.py's TritonPagedAttention
       runs one Triton kernel for both methods.
   prefill(q, k_cache, v_cache, meta, attend)  a step with prefill rows (a chunk of queries): their keys
       gathered (one index_select for all of them), then each sequence's chunk through the model's own
