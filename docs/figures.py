@@ -8,8 +8,8 @@ tables measured on the pages (so a figure and its table cannot disagree). Rerun 
 Concept figures: the block with its tensor shapes (01), RoPE turning one pair across positions (02), the
 KV slab with left padding and one decode step (03), the online-softmax rescale across two blocks and the
 tiled schedule of which QK^T blocks are computed, masked or skipped (04); the systems stages' figures
-(06-10: block pool, hash chain, batching timeline, request path, roofline, speculative step, MoE dispatch,
-tensor parallelism, pipeline bubble, PD flow) are in figures_systems.py.
+(06-10: block pool, hash chain, batching timeline, packed step, request path, roofline, speculative step,
+MoE dispatch, tensor parallelism, pipeline bubble, PD flow) are in figures_systems.py.
 
 Fonts: the first CJK font matplotlib can find among CJK_FONTS (`fc-list :lang=zh` lists what is
 installed). With none, the script says how to install one and exits without touching docs/img/, rather

@@ -2,7 +2,8 @@
 
 Where a figure shows a data structure, it is the real one: the block pool and block tables come from a
 BlockManager with prefix caching, the continuous-batching timeline from the project's Scheduler stepping
-a small workload, the roofline from benchmarks/bench_roofline.py's step_cost and the bandwidth and FLOP/s
+a small workload, the packed step's four tensors and its mask from a tiny LLMEngine's Scheduler and
+ModelRunner.prepare, the roofline from benchmarks/bench_roofline.py's step_cost and the bandwidth and FLOP/s
 that docs/08 reports. The pipeline bubble is drawn from the GPipe formula (no measured pipeline timeline
 exists in the repository yet).
 """
@@ -163,6 +164,124 @@ def batching_timeline(save) -> None:
                             Rectangle((0, 0), 1, 1, fc=GREY, label="decode")], fontsize=8, loc="upper right")
     fig.tight_layout()
     save(fig, "06-batching-timeline.png")
+
+
+def _packed_step():
+    """A real engine step with two decode rows and one prefill chunk: a tiny LLMEngine (block_size 4, token
+    budget 8) runs two steps, then its third step is scheduled and its inputs built as step() builds them
+    (Scheduler.schedule, then ModelRunner.prepare). Returns the scheduled pairs, idx, positions, the metadata."""
+    from mini_transformer import TransformerLM
+    from mini_transformer.engine.config import EngineConfig
+    from mini_transformer.engine.llm_engine import LLMEngine
+
+    torch.manual_seed(0)
+    model = TransformerLM(TransformerConfig(vocab_size=32, d_model=16, n_heads=2, d_ff=32, n_layer=1, max_seq_len=32))
+    engine = LLMEngine(model, EngineConfig(block_size=4, num_blocks=12, max_num_batched_tokens=8,
+                                           enable_prefix_caching=False, enforce_eager=True))
+    params = SamplingParams(max_tokens=8)
+    engine.add_request([1, 2, 3], params, "R0")
+    engine.add_request([4, 5, 6, 7, 8], params, "R1")
+    engine.step()  # R0 3 + R1 5 prompt tokens
+    engine.add_request(list(range(10, 20)), params, "R2")
+    engine.step()  # R0, R1 decode; R2's first chunk (6 of its 10 prompt tokens)
+    plan = engine.scheduler.schedule()  # R0, R1 decode; R2's last 4 prompt tokens
+    idx, positions, _, meta, _ = engine.runner.prepare(plan.scheduled, [])
+    return plan.scheduled, idx[0].tolist(), positions[0].tolist(), meta
+
+
+def packed_step(save) -> None:
+    """The four tensors of one step, and the block-diagonal causal mask they imply (True = may attend)."""
+    from matplotlib.colors import to_rgba
+
+    scheduled, ids, positions, meta = _packed_step()
+    qsl, slots = meta.query_start_loc.tolist(), meta.slot_mapping.tolist()
+    tables, ctx, bs = meta.block_tables.tolist(), meta.context_lens.tolist(), meta.block_size
+    names = [seq.request_id for seq, _ in scheduled]
+    colours = (BLUE, ORANGE, GREEN)
+    owner = [s for s in range(len(names)) for _ in range(qsl[s], qsl[s + 1])]  # each packed token's sequence
+    fig, ax = plt.subplots(figsize=(11.5, 7.6))
+
+    # the packed row and the two (N,) vectors under it
+    x0, w = 2.2, 1.0
+    for label, y, values in (("idx (1, N)", 9.0, ids), ("positions", 8.3, positions),
+                             ("slot_mapping (N,)", 7.6, slots)):
+        ax.text(x0 - 0.15, y + 0.3, label, ha="right", va="center", fontsize=9, family="monospace")
+        for i, value in enumerate(values):
+            packed = y == 9.0
+            box(ax, x0 + i * w, y, w * 0.94, 0.6, str(value), fc=colours[owner[i]] if packed else "white",
+                color="white" if packed else "black", fontsize=9)
+    for s, start in enumerate(qsl):  # query_start_loc: where each sequence's tokens begin
+        x = x0 + start * w - 0.03
+        ax.plot([x, x], [7.5, 9.85], color="black", lw=1.4)
+        ax.text(x, 9.9, str(start), ha="center", va="bottom", fontsize=9, fontweight="bold")
+        if s < len(names):
+            n = qsl[s + 1] - start
+            kind = "\ndecode" if n == 1 else f"prefill 分块\n位置 {positions[start]}..{positions[start + n - 1]}"
+            ax.text(x0 + (start + n / 2) * w - 0.03, 7.2, f"{names[s]}：{kind}", ha="center", va="top",
+                    fontsize=8.5, color=colours[s])
+    ax.text(x0 - 0.15, 10.05, f"query_start_loc (S+1,) = {qsl}", ha="right", va="bottom", fontsize=9,
+            family="monospace")
+
+    # block_tables (S, Bmax) and context_lens (S,)
+    bx = x0 + len(ids) * w + 1.6
+    ax.text(bx + len(tables[0]) * 0.8 / 2, 10.05, "block_tables (S, Bmax)", ha="center", va="bottom", fontsize=9,
+            family="monospace")
+    ax.text(bx + len(tables[0]) * 0.8 + 1.6, 10.05, "context_lens (S,)", ha="center", va="bottom", fontsize=9,
+            family="monospace")
+    for s, (row, n_keys) in enumerate(zip(tables, ctx, strict=True)):
+        y = 9.3 - s * 0.75
+        used = -(-n_keys // bs)  # blocks that hold this sequence's keys; the rest of the row is padding
+        ax.text(bx - 0.15, y + 0.3, names[s], ha="right", va="center", fontsize=9, color=colours[s])
+        for b, block in enumerate(row):
+            pad = b >= used
+            box(ax, bx + b * 0.8, y, 0.75, 0.6, str(block), fc="white" if pad else colours[s],
+                color="black" if pad else "white", fontsize=9, alpha=0.5 if pad else 1)
+            if pad:
+                ax.add_patch(Rectangle((bx + b * 0.8, y), 0.75, 0.6, fc="none", ec=GREY, hatch="///", lw=0))
+        box(ax, bx + len(row) * 0.8 + 1.3, y, 0.6, 0.6, str(n_keys), fontsize=9)
+    ax.text(bx - 0.6, 7.05, "斜线格是填充（块 0，读不到：key 只读到 context_lens 为止）\n"
+            f"slot = block_tables[s, p // {bs}] × {bs} + p % {bs}，例：{names[-1]} 的位置 {positions[-1]} → "
+            f"{tables[-1][positions[-1] // bs]} × {bs} + {positions[-1] % bs} = {slots[-1]}",
+            ha="left", va="top", fontsize=8.5)
+
+    # the mask: packed queries x every sequence's keys, computed from the four tensors alone
+    c, top = 0.5, 5.2
+    key_x, kx = [], x0
+    for s, n_keys in enumerate(ctx):
+        key_x.append(kx)
+        new = qsl[s + 1] - qsl[s]
+        ax.text(kx + n_keys * c / 2, top + 0.95, f"{names[s]}：{n_keys} 个 key，本步写 {new} 个",
+                ha="center", fontsize=8, color=colours[s])
+        for p in range(n_keys):
+            ax.text(kx + (p + 0.5) * c, top + 0.55, str(p), ha="center", fontsize=7)
+            slot = tables[s][p // bs] * bs + p % bs
+            ax.text(kx + (p + 0.5) * c, top + 0.3 - len(ids) * c - 0.3, str(slot), ha="center", fontsize=6.5,
+                    color="#555555")
+        kx += n_keys * c + 0.35
+    ax.text(x0 - 0.15, top + 0.55, "key 位置 p", ha="right", fontsize=8)
+    ax.text(x0 - 0.15, top + 0.3 - len(ids) * c - 0.3, "它的 slot", ha="right", fontsize=8, color="#555555")
+    for i in range(len(ids)):
+        s, y = owner[i], top + 0.3 - (i + 1) * c
+        pos = ctx[s] - (qsl[s + 1] - i)  # this query's position: queries are the last keys of their sequence
+        ax.text(x0 - 0.15, y + c / 2, f"query {i}（{names[s]}，p = {pos}）", ha="right", va="center", fontsize=8,
+                color=colours[s])
+        for t, n_keys in enumerate(ctx):
+            for p in range(n_keys):
+                allowed = t == s and p <= pos
+                written = p >= ctx[t] - (qsl[t + 1] - qsl[t])
+                fc = to_rgba(colours[t], 1.0 if written else 0.45) if allowed else "white"
+                ax.add_patch(Rectangle((key_x[t] + p * c, y), c, c, fc=fc, ec="#dddddd", lw=0.5))
+    ax.text(x0, top + 0.3 - len(ids) * c - 0.65,
+            "掩码（queries × keys，着色 = True = 可以看）：key 与 query 同属一个序列、且位置 ≤ query 的位置。"
+            "\n于是掩码是对角上的块：prefill 分块是一个矩形（池里已有的 key，浅色）接一个三角"
+            "（本步写入的 key，深色），decode 行是整整一行",
+            ha="left", va="top", fontsize=8.5)
+    ax.set(xlim=(-1.4, max(kx, bx + len(tables[0]) * 0.8 + 2.3)), ylim=(top + 0.3 - len(ids) * c - 1.5, 10.6))
+    ax.set_axis_off()
+    ax.set_title(f"引擎的一步（block_size = {bs}，token 预算 8）：两个 decode 行和一个 prefill 分块打包成一行 "
+                 f"N = {len(ids)}，\n注意力只需要这四个张量——都来自项目的 Scheduler 和 ModelRunner.prepare",
+                 fontsize=10)
+    save(fig, "06-packed-step.png")
 
 
 # ------------------------------------------------------------------------------------------ 07
@@ -371,6 +490,7 @@ def draw_all(save, roofline_numbers, step_cost) -> None:
     block_pool(save)
     prefix_hash_chain(save)
     batching_timeline(save)
+    packed_step(save)
     request_path(save)
     roofline_batch(save, *roofline_numbers, step_cost)
     speculative_step(save)
