@@ -18,11 +18,11 @@ per weight: the ceiling is  memory bandwidth / bytes read per token.  This scrip
 (bench_decode.py keeps the stage-3 question: cached vs uncached decode vs Hugging Face; the bandwidth, byte
 counts and plot live in _decode_roofline.py beside this script.)
 
-    python benchmarks/bench_decode_speed.py --data /work/shared/data/tinyshakespeare.txt --plot roofline.png
+    python benchmarks/bench_decode_speed.py --data tinyshakespeare.txt --plot roofline.png
     python benchmarks/bench_decode_speed.py --parts speed --models char --new-tokens 128
     python benchmarks/bench_decode_speed.py --parts tricks --trained out/bench-decode   # trains once, then reuses
     python benchmarks/bench_decode_speed.py --device cuda --quick     # the GPU check: char model, speed only
-    python benchmarks/bench_decode_speed.py --vs-llama-cpp --llama-python /tmp/llamaenv/bin/python
+    python benchmarks/bench_decode_speed.py --vs-llama-cpp --llama-python "$LLAMA_PYTHON"
 On --device cuda every timed run ends with torch.cuda.synchronize(), the bandwidth is the GPU's (a copy and
 a sum of 256 MB on the device), and our compiled step is a CUDA graph (mode="reduce-overhead").
 """

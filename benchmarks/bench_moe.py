@@ -22,7 +22,7 @@ only, its three ways: the sorted path with the loop over experts (one host read 
 and float64 ran before), the sorted path with the grouped matmul (the CPU's fp32/bf16 path, no host
 read), and the gathered path (`dispatch_gathered`, no host read) that replaces the loop at these shapes.
 
-    python benchmarks/bench_moe.py --data /work/shared/data/tinyshakespeare.txt --plot moe.png
+    python benchmarks/bench_moe.py --data tinyshakespeare.txt --plot moe.png
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ its OpenMP runtime never meets torch's; the two systems take turns, run by run (
 times the same thing: a 64-token prompt prefilled, then 255 greedy decode steps (only those are timed).
 Install llama.cpp's Python binding in a throwaway venv (it builds from source, ~16+ min on 2 cores):
 
-    uv venv /tmp/llamaenv && uv pip install --python /tmp/llamaenv llama-cpp-python gguf
-    python benchmarks/bench_decode_speed.py --vs-llama-cpp --llama-python /tmp/llamaenv/bin/python
+    uv venv "$LLAMA_VENV" && uv pip install --python "$LLAMA_VENV" llama-cpp-python gguf   # LLAMA_VENV: any folder
+    LLAMA_PYTHON="$LLAMA_VENV/bin/python"
+    python benchmarks/bench_decode_speed.py --vs-llama-cpp --llama-python "$LLAMA_PYTHON"
 """
 
 from __future__ import annotations
@@ -176,8 +177,9 @@ TARGETS = {"fp32": 1.0, "bf16": 0.9, "int8": 1.0, "int4": 0.7}  # issue 28: ours
 def how_to_install(missing: str) -> None:
     print(f"--vs-llama-cpp skipped: {missing}. Build llama.cpp's Python binding in a throwaway venv "
           "(~16+ min on 2 cores), then point this script at it:\n"
-          "  uv venv /tmp/llamaenv && uv pip install --python /tmp/llamaenv llama-cpp-python gguf\n"
-          "  python benchmarks/bench_decode_speed.py --vs-llama-cpp --llama-python /tmp/llamaenv/bin/python\n"
+          '  uv venv "$LLAMA_VENV" && uv pip install --python "$LLAMA_VENV" llama-cpp-python gguf\n'
+          '  LLAMA_PYTHON="$LLAMA_VENV/bin/python"   # LLAMA_VENV: any folder you choose\n'
+          '  python benchmarks/bench_decode_speed.py --vs-llama-cpp --llama-python "$LLAMA_PYTHON"\n'
           "(the converter is found in uv's sdist cache, or set LLAMA_CPP_DIR to a llama.cpp checkout)")
 
 
