@@ -482,7 +482,10 @@ def test_non_streamed_requests_are_aborted_when_their_client_leaves(served):
             httpx.post(served.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.4))
         left = time.monotonic()
         deadline = left + 30  # a bound on a loaded machine; unloaded it takes one disconnect poll
-        while served.ctx.engine_loop.engine.has_unfinished_requests():
+        # the request may still be on its way in (tokenised on a worker) when the client leaves: wait for
+        # its four aborts, not only for an idle engine
+        while served.ctx.engine_loop.engine.has_unfinished_requests() or metric(
+                served, f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}') < aborted + 4:
             assert time.monotonic() < deadline, "the engine still runs the request of a client that left"
             time.sleep(0.02)
     assert metric(served, f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}') \

@@ -15,7 +15,7 @@ import hmac
 import ipaddress
 from collections.abc import Callable
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from .protocol import ErrorResponse
@@ -47,18 +47,25 @@ def _bracketed(name: str) -> str:
         return name
 
 
-def add_host_check(app: FastAPI, allowed: frozenset[str], metrics) -> None:
-    """421 for a Host the server does not go by: the request never reaches a route."""
+class HostCheck:
+    """ASGI middleware: 421 for a Host the server does not go by; the request never reaches a route.
 
-    @app.middleware("http")
-    async def check_host(request: Request, call_next):
-        given = request.headers.get("host", "")
-        if host_name(given) in allowed:
-            return await call_next(request)
+    A plain ASGI class rather than `@app.middleware("http")`: that wrapper hands the route a receive
+    channel of its own, and the route would no longer see its client disconnect (aborts need that)."""
+
+    def __init__(self, app, allowed: frozenset[str], metrics):
+        self.app, self.allowed, self.metrics = app, allowed, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers", ())).get(b"host", b"").decode("latin-1")
+        if host_name(given) in self.allowed:
+            return await self.app(scope, receive, send)
         err = ErrorResponse(421, f"Host {given!r} is not a name of this server; start it with "
                                  "--allowed-hosts NAME to answer to that name", code="misdirected_request")
-        metrics.rejected.labels("421").inc()
-        return JSONResponse(err.body(), status_code=err.status)
+        self.metrics.rejected.labels("421").inc()
+        await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
 
 
 def key_check(api_key: str | None) -> Callable:

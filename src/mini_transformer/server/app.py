@@ -30,7 +30,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 
 from ..engine import InvalidRequest
 from . import protocol as P
-from .access import LOCAL_HOSTS, add_host_check, key_check
+from .access import LOCAL_HOSTS, HostCheck, key_check
 from .engine_loop import EngineLoop
 from .errors import install_error_handlers
 from .generation import ClientGone, Generation, Options
@@ -86,7 +86,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     ctx.workers = Workers(ctx.limits)
     app.add_middleware(BodyLimit, max_bytes=ctx.limits.max_body_bytes, metrics=ctx.metrics)
     install_error_handlers(app, ctx.metrics)
-    add_host_check(app, ctx.allowed_hosts, ctx.metrics)
+    app.add_middleware(HostCheck, allowed=ctx.allowed_hosts, metrics=ctx.metrics)
     install_openapi(app, ctx)
     require_key = key_check(ctx.api_key)
     _add_status_routes(app, ctx, require_key)
