@@ -1,6 +1,7 @@
 """The docs are checked like code: every file, `file::name`, `file:line`, name cited right after a file,
-`module.name`, `Class.member` and test name a page cites must exist (docs_refs.py); quoted command output must match a fresh run; every shell command in
-a page's code blocks either runs (the quick ones) or at least parses against the real argument parser;
+`module.name`, `Class.member` and test name a page cites must exist (docs_refs.py); quoted command output
+must match a fresh run; every shell command in a page's code blocks either runs (the quick ones) or at
+least parses against the real argument parser;
 python blocks parse; worked sums are recomputed; pages use the glossary's words (docs/README.md); every
 stage page ends with its exercises and break-it experiments; the roadmap lists nothing that has landed.
 
