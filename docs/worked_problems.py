@@ -207,6 +207,32 @@ def ridge_line() -> str:
             f"≈ {ridge_batch():.0f} FLOP/字节，即 batch ≈ {ridge_batch():.0f} 时 decode 由访存受限变成算力受限。")
 
 
+def prose_numbers() -> dict[str, str]:
+    """The numbers the page's prose quotes beside its tables, formatted as the page writes them."""
+    w8, w70 = weight_bytes(LLAMA3_8B), weight_bytes(LLAMA3_70B)
+    prefill = prefill_flops(LLAMA3_8B)
+    attention = 2 * LLAMA3_8B.n_layer * CONTEXT**2 * LLAMA3_8B.d_model
+    no_gqa = Model("70B without GQA", 80, 8192, 64, 64, 128, 28672, 128256)
+    return {
+        "NIC GB/s": f"{NIC_BYTES_PER_S / 1e9:.0f}",
+        "8B weights GB": f"{w8 / 1e9:.2f}",
+        "HBM left for KV, GB": f"{H100_HBM_BYTES / 1e9 - round(w8 / 1e9, 2):.2f}",
+        "8k sequence KV, GB": f"{kv_bytes_per_sequence(LLAMA3_8B) / 1e9:.2f}",
+        "70B weights GB, rounded": f"{w70 / 1e9:.0f}",
+        "70B KV / 8B KV": f"{kv_bytes_per_token(LLAMA3_70B) / kv_bytes_per_token(LLAMA3_8B):.1f}",
+        "70B KV per token without GQA, MiB": f"{kv_bytes_per_token(no_gqa) / MIB:.1f}",
+        "70B KV per 8k, GiB": f"{kv_bytes_per_sequence(LLAMA3_70B) / GIB:.1f}",
+        "8B batch-1 ms per token": f"{1e3 / decode_ceiling_tokens_per_s(LLAMA3_8B, 1):.1f}",
+        "8B prefill FLOP / 1e14": f"{prefill / 1e14:.2f}",
+        "attention share of 8B prefill, %": f"{100 * attention / prefill:.0f}",
+        "ring factor for p = 8": f"{ring_send_bytes(1.0):.2f}",
+        "all-reduces per token, 8B": f"{2 * LLAMA3_8B.n_layer}",
+        "all-reduces per token, 70B": f"{2 * LLAMA3_70B.n_layer}",
+        "ring steps for p = 8": f"{2 * (NODE_GPUS - 1)}",
+        "70B PD transfer ms, rounded": f"{pd_transfer_s(LLAMA3_70B) * 1e3:.0f}",
+    }
+
+
 TABLES = {"models": model_table, "serving": serving_table, "ridge": ridge_line, "communication": communication_table,
           "ep": ep_table}
 

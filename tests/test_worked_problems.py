@@ -12,11 +12,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "worked-problems.md"
+SCRIPT = ROOT / "docs" / "worked_problems.py"
 BLOCK = re.compile(r"<!-- worked_problems: (\w+) -->\n(.*?)\n<!-- /worked_problems -->", re.S)
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("worked_problems", ROOT / "docs" / "worked_problems.py")
+    spec = importlib.util.spec_from_file_location("worked_problems", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -36,6 +37,28 @@ def test_each_block_on_the_page_is_what_the_script_prints(name):
     assert blocks[name] == wp.render(name), (
         f"docs/worked-problems.md's {name!r} block is stale: paste the output of "
         "`uv run python docs/worked_problems.py` into the page")
+
+
+NUMBER = re.compile(r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?")
+SUM = re.compile(r"(?:\d+(?:\.\d+)?\s*[·×+−]\s*)+\d+(?:\.\d+)?\s*=\s*\d+(?:,\d{3})*(?:\.\d+)?")
+# Numbers that are not results: a paper's year, vLLM's default memory fraction, an exercise's context length.
+NOT_RESULTS = {"2022", "0.90", "32768"}
+
+
+def numbers(text: str) -> set[str]:
+    return set(NUMBER.findall(text))
+
+
+def test_every_number_in_the_prose_comes_from_the_script():
+    """Outside the generated blocks, a number is a constant of the script (its source), one of its
+    prose_numbers(), a worked sum (test_docs.py recomputes those), or a small count (section, GPUs)."""
+    prose = BLOCK.sub("", PAGE.read_text())
+    sums = SUM.findall(prose)
+    allowed = (numbers("\n".join(wp.render(n) for n in wp.TABLES)) | numbers(SCRIPT.read_text())
+               | set(wp.prose_numbers().values()) | numbers(" ".join(sums)) | NOT_RESULTS)
+    small_count = re.compile(r"0?\d|1[0-6]")  # a section, a problem, a page (08), a GPU count
+    stray = sorted({n for n in numbers(SUM.sub(" ", prose)) if n not in allowed and not small_count.fullmatch(n)})
+    assert not stray, f"docs/worked-problems.md quotes numbers the script does not produce: {stray}"
 
 
 def test_a_changed_constant_shows_on_the_page():
