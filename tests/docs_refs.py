@@ -1,5 +1,7 @@
-"""What a docs page cites, and whether it holds: files, `file::name`, `file:line`, test names,
-`Class.member` of the project's classes, keyword arguments of the project's functions, links.
+"""What a docs page cites, and whether it holds: files, `file::name`, `file:line`, a backticked name right
+after a cited file (`engine/scheduler.py` 的 `Scheduler.schedule`), `module.name` of the project's modules
+(`parallel.pd.run_disaggregated`), test names, `Class.member` of the project's classes, keyword arguments
+of the project's functions, links.
 Used by test_docs.py (this module holds no tests)."""
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def resolve(path: str) -> list[str]:
 
 @functools.cache
 def defined_names(path: str) -> frozenset[str]:
-    """Every def/class (also as Class.member), module-level assignment and class field in a file."""
+    """Every def/class (also as Class.member), module-level assignment, import and class field in a file."""
     tree = ast.parse((ROOT / path).read_text())
     names: set[str] = set()
 
@@ -51,6 +53,8 @@ def defined_names(path: str) -> frozenset[str]:
                 if isinstance(node, ast.ClassDef):
                     visit(node.body, node.name + ".")
                     names.update(node.name + "." + attr for attr in self_attributes(node))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)) and not prefix:
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 names.update(prefix + t.id for t in targets if isinstance(t, ast.Name))
@@ -130,6 +134,34 @@ def drop_foreign_columns(text: str) -> str:
     return "\n".join(out)
 
 
+# A name right after a cited file: "`engine/scheduler.py` 的 `Scheduler.schedule`", "`inference/kv_cache.py`：
+# `KVCache.begin`", "`model/layers.py` 里的 `RMSNorm`、`SwiGLU`". Only these joining words: "`x.py` 用 `torch`"
+# (uses) or "`x.py` 与 `y.py`" name something else.
+AFTER_FILE = re.compile(r"`" + PATH + r"`\s*(?:的|里的|中的|中|里|开头的|：)\s*"
+                        r"((?:`[A-Za-z_][\w.]*(?:\(\))?`(?:\s*、\s*)?)+)")
+# `parallel.pd.run_disaggregated`, `mini_transformer._native.build`, `vs_llama_cpp.write_model()`
+MODULE_NAME = re.compile(r"^(?:mini_transformer\.)?[a-z_]\w*(?:\.[a-z_]\w*)*\.[A-Za-z_]\w*(?:\(\))?$")
+MODULE_ROOTS = ("src/mini_transformer/", "benchmarks/", "tools/")
+# Module names the pages also use for an object of theirs (`model.blocks` is the model's layers,
+# `tokenizer.eos_token_id` a Hugging Face tokenizer's): `model.x` alone is not read as the package `model`.
+OBJECT_NAMES = ("model", "tokenizer", "config", "engine", "server")
+FILE_SUFFIXES = ("py", "md", "json", "jsonl", "txt", "yaml", "pt", "bin", "safetensors", "png", "lock", "h", "cpp")
+
+
+def is_file_name(name: str) -> bool:
+    return "." in name and name.rsplit(".", 1)[1] in FILE_SUFFIXES
+
+
+def module_file(dotted: str) -> str | None:
+    """The project file a dotted module name (`parallel.pd`, `_native`, `vs_llama_cpp`) is, or None."""
+    path = dotted.replace(".", "/")
+    for root in MODULE_ROOTS:
+        for candidate in (f"{root}{path}.py", f"{root}{path}/__init__.py"):
+            if candidate in repo_files():
+                return candidate
+    return None
+
+
 def references(page: Path) -> list[tuple[str, str]]:
     """(kind, reference) pairs cited in the page's prose (inline commands are checked as commands)."""
     text = drop_foreign_columns(re.sub(r"<!--.*?-->", "", prose(page.read_text()), flags=re.S))
@@ -146,7 +178,12 @@ def references(page: Path) -> list[tuple[str, str]]:
                 refs += [("name", f"{path}::{n.strip()}") for n in names.split(",")]
             if line:
                 refs.append(("line", f"{path}:{line}"))
+    for m in AFTER_FILE.finditer(text):
+        path, names = m.group(1), re.findall(r"`([^`]+)`", m.group(2))
+        refs += [("named", f"{path}::{n.removesuffix('()')}") for n in names if not is_file_name(n)]
     for span in spans:
+        if MODULE_NAME.match(span) and not is_file_name(span):
+            refs.append(("module", span.removesuffix("()").removeprefix("mini_transformer.")))
         for m in re.finditer(r"(?<![\w/.:])(test_\w+)\b(?!\.py)", span):
             refs.append(("test", m.group(1)))
         for m in re.finditer(r"(?<![\w.])([A-Z]\w+)\.([A-Za-z_]\w*)", span):
@@ -179,6 +216,26 @@ def check_reference(kind: str, ref: str) -> str | None:
             n_lines = len((ROOT / files[0]).read_text().splitlines())
             return None if 1 <= int(rest) <= n_lines else f"{files[0]} has {n_lines} lines, not {rest}"
         return None if rest in defined_names(files[0]) else f"{files[0]} defines no {rest!r}"
+    if kind == "named":  # a name right after a file: defined in it (any file the path matches)
+        path, _, name = ref.partition("::")
+        files = [f for f in resolve(path) if f.endswith(".py")]
+        if not files:
+            return None  # another project's file, or one check "file" reports
+        if name.startswith("self."):
+            name = name.removeprefix("self.")
+            found = any(n.endswith("." + name) for f in files for n in defined_names(f))
+        else:
+            found = any(name in defined_names(f) for f in files)
+        return None if found else f"{' / '.join(files)} defines no {name!r}"
+    if kind == "module":
+        parts = ref.split(".")
+        for k in range(len(parts) - 1, 0, -1):
+            if k == 1 and parts[0] in OBJECT_NAMES:
+                return None
+            if (module := module_file(".".join(parts[:k]))) is not None:
+                name = parts[k] if not parts[k][:1].isupper() or len(parts) == k + 1 else ".".join(parts[k:k + 2])
+                return None if name in defined_names(module) else f"{module} defines no {name!r}"
+        return None  # torch.compile, json.loads, ...: not ours
     if kind == "test":
         return None if defined_anywhere(ref, ("tests/", "exercises/")) else f"no test named {ref!r}"
     if kind == "member":

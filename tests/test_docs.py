@@ -1,6 +1,7 @@
-"""The docs are checked like code: every file, `file::name`, `file:line`, `Class.member` and test name a
-page cites must exist (docs_refs.py); quoted command output must match a fresh run; every shell command in
-a page's code blocks either runs (the quick ones) or at least parses against the real argument parser;
+"""The docs are checked like code: every file, `file::name`, `file:line`, name cited right after a file,
+`module.name`, `Class.member` and test name a page cites must exist (docs_refs.py); quoted command output
+must match a fresh run; every shell command in a page's code blocks either runs (the quick ones) or at
+least parses against the real argument parser;
 python blocks parse; worked sums are recomputed; pages use the glossary's words (docs/README.md); every
 stage page ends with its exercises and break-it experiments; the roadmap lists nothing that has landed.
 
@@ -52,6 +53,21 @@ def test_cited_code_exists(page, kind, ref):
     assert problem is None, f"{page} cites {ref!r}: {problem}"
 
 
+def test_the_checker_reads_names_where_pages_put_them():
+    """A page citing a made-up name in each of the forms the pages use: every one is found and reported."""
+    page = ROOT / "docs" / "_made_up.md"
+    page.write_text("见 `engine/scheduler.py` 的 `Scheduler.no_such_step`，`model/layers.py` 里的 `RMSNorm`、"
+                    "`NoSuchNorm`，以及 `parallel.pd.no_such_function` 和 `attention/mask.py::nope`。\n")
+    try:
+        refs = references(page)
+    finally:
+        page.unlink()
+    wrong = {ref for kind, ref in refs if check_reference(kind, ref)}
+    assert wrong >= {"attention/mask.py::nope", "engine/scheduler.py::Scheduler.no_such_step",
+                     "model/layers.py::NoSuchNorm", "parallel.pd.no_such_function"}
+    assert "model/layers.py::RMSNorm" not in wrong
+
+
 def test_the_checker_catches_wrong_references():
     """The checker itself: a wrong file, name, line, test, member and keyword are all reported."""
     assert check_reference("file", "DESIGN.md")
@@ -61,7 +77,15 @@ def test_the_checker_catches_wrong_references():
     assert check_reference("test", "test_that_does_not_exist")
     assert check_reference("member", "KVCache.no_such_method")
     assert check_reference("call", "rope_tables(max_seq_len, d_head, base=10000)")
+    assert check_reference("named", "inference/kv_cache.py::Cache")  # a name said to be in the wrong file
+    assert check_reference("named", "server/text.py::self.no_such_attribute")
+    assert check_reference("module", "parallel.pd.no_such_function")
+    assert check_reference("module", "_native.no_such_function")
     assert check_reference("name", "attention/mask.py::causal_mask") is None
+    assert check_reference("named", "model/cache.py::Cache") is None
+    assert check_reference("module", "parallel.shard_expert_parallel") is None  # re-exported by the package
+    assert check_reference("module", "model.blocks") is None  # `model` alone is a model object, not the package
+    assert check_reference("module", "torch.compile") is None
     assert check_reference("member", "TransformerLM.forward") is None
     assert check_reference("call", "rope_tables(max_seq_len, d_head, theta=10000)") is None
 
