@@ -12,7 +12,7 @@ through it, on the 124.7M Llama of issue 28 (vs_llama_cpp.py's layout, random we
           flips one: see tests/test_float_gemv.py)
   threads every GEMV kernel (fp32, bf16, fp16 and the int4 one, group 64) over the same weight matrices at
           each of --thread-counts, beside the read roof measured at that count in the same run: how much a
-          second core adds to a GEMV is what it adds to the memory bandwidth (docs/08 §3b)
+          second core adds to a GEMV is what it adds to the memory bandwidth (docs/08b §4)
   ppl     a small char model trained here, held-out perplexity scored token by token through the compiled
           decode step: fp32, bf16 (through the kernel), and bf16 eager forwards
 

@@ -1,4 +1,4 @@
-"""The roofline of one decode step at batch B: from memory-bound to compute-bound (docs/08 section 1).
+"""The roofline of one decode step at batch B: from memory-bound to compute-bound (docs/08a section 1).
 
 A decode step of B sequences reads every weight once, whatever B is, and each sequence's K/V; it does
 about 2 FLOPs per weight per sequence. So its arithmetic intensity (FLOPs per byte read) grows with B, and

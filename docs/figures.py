@@ -368,7 +368,7 @@ def redraw_benchmark_figures() -> None:
 def draw_systems_figures() -> None:
     import figures_systems
 
-    roofline = page_table("08-decode-speed.md", "| 测得的量")
+    roofline = page_table("08a-static-decode.md", "| 测得的量")
     bandwidth, peak = first_number(roofline[0][1]) * 1e9, first_number(roofline[1][1]) * 1e9
     figures_systems.draw_all(save, (bandwidth, peak), load_benchmark_with_siblings("bench_roofline").step_cost)
 

@@ -4,7 +4,7 @@ Where a figure shows a data structure, it is the real one: the block pool and bl
 BlockManager with prefix caching, the continuous-batching timeline from the project's Scheduler stepping
 a small workload, the packed step's four tensors and its mask from a tiny LLMEngine's Scheduler and
 ModelRunner.prepare, the roofline from benchmarks/bench_roofline.py's step_cost and the bandwidth and FLOP/s
-that docs/08 reports. The pipeline bubble is drawn from the GPipe formula (no measured pipeline timeline
+that docs/08a reports. The pipeline bubble is drawn from the GPipe formula (no measured pipeline timeline
 exists in the repository yet).
 """
 
@@ -486,7 +486,7 @@ def pd_flow(save) -> None:
 
 
 def draw_all(save, roofline_numbers, step_cost) -> None:
-    """roofline_numbers: (read bandwidth bytes/s, fp32 matmul FLOP/s) as docs/08 reports them."""
+    """roofline_numbers: (read bandwidth bytes/s, fp32 matmul FLOP/s) as docs/08a reports them."""
     block_pool(save)
     prefix_hash_chain(save)
     batching_timeline(save)

@@ -1,4 +1,4 @@
-"""Exercise 12 (docs/08): int8 weight-only quantization, and the acceptance rule of speculative decoding.
+"""Exercise 12 (docs/08b, docs/08c): int8 weight-only quantization, and the acceptance rule of speculative decoding.
 
 Fill in `quantize_int8`, `dequantize_int8` and `accept_drafts`, then grade them:
 

@@ -345,7 +345,7 @@ def test_engine_greedy_equals_generate_on_the_same_quantized_model(mode, dtype):
     """Ragged prompts through the engine (their tokens packed into one forward, decode rows of several
     requests together) give generate()'s greedy tokens, each prompt alone. (int4 is not listed: its
     activation rounding turns a 1-ulp difference in the engine's attention into a jump of one int8 step,
-    and on main's engine one of these prompts then flips a near-tie at its 11th token; see docs/08 3b.)"""
+    and on main's engine one of these prompts then flips a near-tie at its 11th token; see docs/08b §3.)"""
     from mini_transformer.engine import LLMEngine
 
     model = llama_model(dtype, mode)

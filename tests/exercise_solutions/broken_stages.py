@@ -45,7 +45,7 @@ def _ex11(sse=_sse_event, parse=_parse_sse, latency=_latency_metrics):
     return types.SimpleNamespace(sse_event=sse, parse_sse=parse, latency_metrics=latency)
 
 
-# ------------------------------------------------------------------------------ exercise 12 (docs/08)
+# ------------------------------------------------------------------------------ exercise 12 (docs/08b, 08c)
 def _quantize_int8(w, per_tensor=False, rounding=torch.round):
     biggest = w.abs().amax() if per_tensor else w.abs().amax(dim=1)
     scales = (biggest.clamp(min=1e-12) / 127).expand(w.shape[0]).float()  # (N,)

@@ -1,6 +1,6 @@
 // mt_float::gemv: y (M, N) = x (M, K) W (N, K)^T (+ bias), fp32 / bf16 / fp16, M <= 8, every sum in fp32 and
 // rounded once to x's dtype. Reference: model/float_gemv.py::float_gemv_reference. W is read front to back,
-// one row after the other (one stream the hardware prefetcher follows; docs/08 §3b).
+// one row after the other (one stream the hardware prefetcher follows; docs/08b §4).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -60,7 +60,7 @@ struct Generic {
 
 // y (M, N) = x (M, K) W (N, K)^T + bias for the weight rows [begin, end): 64 rows at a time (they stay in L2),
 // each block against the rows of x 4 at a time, so for M > 4 the block is read from memory once. noinline:
-// inlined into parallel_for's lambda the same loops run slower (docs/08 §3b).
+// inlined into parallel_for's lambda the same loops run slower (docs/08b §4).
 template <class D>
 __attribute__((noinline)) static void gemv_range(const typename D::T* x, const typename D::T* w,
                                                  const typename D::T* bias, typename D::T* y, int64_t M, int64_t N,

@@ -59,7 +59,7 @@ def _one_query_attention(query, key, value, dropout_p=0.0, is_causal=False, *, a
     The flash kernel tiles for many queries; with one it streams K and V at a fraction of the bandwidth.
     On the CPU attention/one_query_cpu.py's C++ kernel takes it where it builds (`_one_query_kernel_takes`: the online
     softmax of the paged decode kernel, and it skips the masked, not yet written slots of the static slab,
-    which these reductions read all of; docs/08); this decomposition is its reference."""
+    which these reductions read all of; docs/08b §4); this decomposition is its reference."""
     B, H, L, D = query.shape
     if L != 1 or dropout_p != 0.0 or is_causal or query.dtype not in FLOAT_DTYPES:
         return NotImplemented
@@ -89,7 +89,7 @@ def _one_query_kernel_takes(query, key, value, attn_mask) -> bool:
     it is the reference). Why that condition: with fp32 matmuls written as reductions inductor fuses the
     whole step, attention included, into one C++ function, and an extern attention op would split it at
     every layer, which costs more than the kernel saves; once the GEMV op splits the graph anyway, the
-    kernel pays (docs/08)."""
+    kernel pays (docs/08b §4)."""
     B, Tk = query.shape[0], key.shape[2]
     shared_mask = attn_mask is None or (attn_mask.dim() == 4 and attn_mask.shape[0] in (1, B)
                                         and attn_mask.shape[1:] == (1, 1, Tk))
@@ -100,7 +100,7 @@ def _one_query_kernel_takes(query, key, value, attn_mask) -> bool:
 
 
 def cpu_decode_backend(gm, example_inputs):
-    """inductor with `decode_decompositions` (the module docstring says what they do and why; docs/08 §2
+    """inductor with `decode_decompositions` (the module docstring says what they do and why; docs/08a §2
     has the measurements).
 
     Caches across processes: inductor's FX-graph cache is ON. Its key hashes the graph inductor gets,

@@ -24,7 +24,7 @@ It is registered as the operator `mt_gemv::int4`, so a compiled decode step call
 A row's (G, 2) scale and low sit side by side (`scale_low`, Int4Linear's `gemv_scale_low`): the bytes of a
 row are one stream, not two (N, G) arrays. int8 weights do not go this way: they keep the compiled fused
 reduction (quantize.py), which an int8 x int8 integer loop would not beat by enough to pay for rounding the
-activations (docs/08 §3b).
+activations (docs/08b §3).
 """
 
 from __future__ import annotations

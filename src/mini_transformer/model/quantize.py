@@ -23,7 +23,7 @@ How the matmul reads the small weights:
     dequantized weight in memory, and the same numbers eager, compiled, alone or in any batch;
   * `packed_kernels=True`: PyTorch's packed kernels (`aten._weight_int8pack_mm`, on the CPU
     `aten._weight_int4pack_mm_for_cpu`). They run on this project's CPU build but at batch 1 are far
-    slower than the fp32 matmul and than our int4 kernel (docs/08 §3), so they are opt-in.
+    slower than the fp32 matmul and than our int4 kernel (docs/08b §3), so they are opt-in.
 """
 
 from __future__ import annotations
