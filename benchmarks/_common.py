@@ -24,7 +24,7 @@ import torch
 
 GRAD_MODES = {"inference": torch.inference_mode, "no_grad": torch.no_grad, "grad": contextlib.nullcontext}
 
-# Issue 28's 124.7M Llama in our config's names (vs_llama_cpp.py writes the same layout for Hugging Face):
+# The 124.7M Llama of vs_llama_cpp.py in our config's names (vs_llama_cpp.py writes the same layout for Hugging Face):
 # 768 hidden, 12 layers, GQA 12/4, SwiGLU 2048, vocab 32000, untied head
 LLAMA_124M = dict(vocab_size=32000, d_model=768, n_heads=12, n_kv_heads=4, n_layer=12, d_ff=2048, max_seq_len=1024,
                   pos_emb="rope", norm="rmsnorm", ffn="swiglu", bias=False, tie_weights=False, attn_backend="sdpa")

@@ -1,5 +1,5 @@
 """Float decode on the CPU: the C++ GEMV (model/float_gemv.py) alone, and compiled decode in fp32 and bf16
-through it, on the 124.7M Llama of issue 28 (vs_llama_cpp.py's layout, random weights).
+through it, on the 124.7M Llama of vs_llama_cpp.py (its layout, random weights).
 
   gemv    every weight matrix of the model (60 linears + the head: 400 MB fp32, 200 MB bf16/fp16), one row x
           at a time: the kernel in fp32, bf16 and fp16, against what the compiled step would run without it

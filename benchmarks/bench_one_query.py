@@ -1,6 +1,6 @@
 """The compiled batch-1 decode step's attention on the CPU: the C++ one-query kernel (attention/one_query_cpu.py,
 mt_one_query::attend) against the decomposition inductor compiled before it (cpu_decode.py's
-_one_query_attention), on the 124.7M Llama of issue 28 (768 hidden, 12 layers, GQA 12/4, D 64).
+_one_query_attention), on the 124.7M Llama of vs_llama_cpp.py (768 hidden, 12 layers, GQA 12/4, D 64).
 
   attn   one layer's attention alone, as the step calls it (sdpa_attention over a 384-slot static slab,
          the written prefix visible), compiled through the decode backend both ways; contexts 65, 192

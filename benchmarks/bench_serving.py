@@ -19,10 +19,10 @@ on vs off, and time to first token of one more request with the prefix cached (w
     python benchmarks/bench_serving.py --sampled                    # + sampled vs greedy engine, profiled
     python benchmarks/bench_serving.py --preset llama-tiny --ways engine --sampled   # host share, small model
 
---structured adds the structured-output workload of bench_structured.py (issue 27): half the requests
+--structured adds the structured-output workload of bench_structured.py: half the requests
 JSON-schema constrained vs none, the mask's cost per step and whether the forward hides it.
 
---sampled adds a sampled workload (issue 21): the same requests through the engine greedy and sampled
+--sampled adds a sampled workload: the same requests through the engine greedy and sampled
 (temperature 0.8, top-p 0.95, every other request with repetition penalty 1.1), alternating greedy,
 sampled, greedy, sampled; the table gives the sampled/greedy tokens/s ratio, then a torch.profiler table
 of a few sampled decode steps with the share of time inside the batched sampler (engine/sampler.py).

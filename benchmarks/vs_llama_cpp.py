@@ -171,7 +171,7 @@ def our_run(model, prompt: torch.Tensor, n: int, eager: bool = False) -> tuple[f
     return stamps[-1] - stamps[0], tokens[0].tolist()
 
 
-TARGETS = {"fp32": 1.0, "bf16": 0.9, "int8": 1.0, "int4": 0.7}  # issue 28: ours / llama.cpp at 1 thread
+TARGETS = {"fp32": 1.0, "bf16": 0.9, "int8": 1.0, "int4": 0.7}  # ours / llama.cpp at 1 thread
 
 
 def how_to_install(missing: str) -> None:

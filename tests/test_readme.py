@@ -1,4 +1,4 @@
-"""README.md runs as written (issue 29): every shell and Python block, in order, then the "run" command of
+"""README.md runs as written: every shell and Python block, in order, then the "run" command of
 each stage in docs/README.md, on a clean temporary directory, the way a new user copies them.
 
 How each example is run, and the only things that differ from a user's shell:

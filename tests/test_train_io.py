@@ -118,7 +118,7 @@ def test_best_is_found_in_the_rename_window(finished_run, tmp_path):
 
 
 def test_a_run_directory_means_its_best_checkpoint_and_says_so(corpus, finished_run, tmp_path, capsys):
-    """Issue 29: `sample`, `serve` and from_pretrained take the run directory `train` printed (RUN = RUN/best,
+    """`sample`, `serve` and from_pretrained take the run directory `train` printed (RUN = RUN/best,
     one stderr line says which); --resume still continues from RUN/last."""
     out = tmp_path / "run"
     shutil.copytree(finished_run, out)
