@@ -1,4 +1,4 @@
-"""Wrong answers for exercises 14 and 15 (docs/06: the scheduler's step, the prefix-cache lookup), each a
+"""Wrong answers for the docs/06 exercises (the scheduler's step, the prefix-cache lookup), each a
 whole answer written out here with ONE mistake a learner is likely to make. tests/test_exercises.py adds
 them to broken.BROKEN; the page's "break it" list names the same mistakes."""
 
@@ -8,7 +8,7 @@ import types
 from typing import NamedTuple
 
 
-# ------------------------------------------------------------------------------ exercise 14 (docs/06 §5)
+# ---------------------------------------------------------------------------- ex06_scheduler_step (docs/06 §5)
 class _Plan(NamedTuple):
     scheduled: list
     preempted: list
@@ -67,7 +67,7 @@ def _ex14(**mistake):
     return types.SimpleNamespace(schedule_step=lambda *state: _schedule_step(*state, **mistake))
 
 
-# ------------------------------------------------------------------------------ exercise 15 (docs/06 §4)
+# ---------------------------------------------------------------------------- ex06_prefix_cache (docs/06 §4)
 class _CachedBlock(NamedTuple):
     block_id: int
     token_ids: tuple
@@ -109,14 +109,14 @@ def _ex15(chained=True, **mistake):
 
 
 BROKEN_ENGINE = {
-    "ex14_scheduler_step": {
+    "ex06_scheduler_step": {
         "the OLDEST running sequence preempted": _ex14(victim=0),
         "new sequences admitted in a step that preempted": _ex14(admit_after_preempt=True),
         "a later waiting sequence overtakes the blocked head": _ex14(overtake=True),
         "a preempted sequence sent to the back of the queue": _ex14(preempted_to_back=True),
         "no chunked prefill: a prompt waits until it fits the budget whole": _ex14(whole_prompts=True),
     },
-    "ex15_prefix_cache": {
+    "ex06_prefix_cache": {
         "the hash trusted, no token comparison": _ex15(token_guard=False),
         "the parent not checked": _ex15(parent_guard=False),
         "the whole prompt looked up (a fully cached prompt computes nothing)": _ex15(whole_prompt=True),
