@@ -6,7 +6,9 @@ not landed yet."""
 from __future__ import annotations
 
 import json
+import math
 import types
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +69,57 @@ def _accept_drafts(p, q, drafts, generator, accept_all=False, resample_from_p=Fa
 
 def _ex12(quantize=_quantize_int8, accept=_accept_drafts):
     return types.SimpleNamespace(quantize_int8=quantize, dequantize_int8=_dequantize_int8, accept_drafts=accept)
+
+
+# ---------------------------------------------------------------------------- ex08_roofline (docs/08)
+@dataclass(frozen=True)
+class _Model:
+    vocab_size: int
+    d_model: int
+    n_layer: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+
+    @property
+    def d_head(self):
+        return self.d_model // self.n_heads
+
+
+def _ex08_roofline(whole_embedding=False, kv_factor=2, ridge_from_weights=False):
+    def linear_params(m):
+        qkvo = m.d_model * m.d_head * (2 * m.n_heads + 2 * m.n_kv_heads)
+        return m.n_layer * (qkvo + 3 * m.d_model * m.d_ff) + m.d_model * m.vocab_size
+
+    def weight_bytes(m, b):
+        embedding = m.vocab_size * m.d_model if whole_embedding else m.d_model
+        return (linear_params(m) + (2 * m.n_layer + 1) * m.d_model + embedding) * b
+
+    def kv_bytes_per_token(m, b):
+        return kv_factor * m.n_layer * m.n_kv_heads * m.d_head * b
+
+    def step_flops(m, batch, context):
+        return batch * (2 * linear_params(m) + 4 * m.n_layer * m.n_heads * m.d_head * (context + 1))
+
+    def step_bytes(m, batch, context, b):
+        return weight_bytes(m, b) + batch * (context + 1) * kv_bytes_per_token(m, b)
+
+    def ridge_batch(m, context, b, peak_flops, bandwidth):
+        ridge = peak_flops / bandwidth
+        if ridge_from_weights:  # batch · 2 · params / weight bytes >= ridge, the K/V left out
+            return math.ceil(ridge * weight_bytes(m, b) / (2 * linear_params(m)))
+        if step_flops(m, 1, context) / ((context + 1) * kv_bytes_per_token(m, b)) <= ridge:
+            return None
+        batch = 1
+        while step_flops(m, batch, context) / step_bytes(m, batch, context, b) < ridge:
+            batch += 1
+        return batch
+
+    return types.SimpleNamespace(
+        Model=_Model, linear_params=linear_params, weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes_per_token,
+        step_flops=step_flops, step_bytes=step_bytes, ridge_batch=ridge_batch,
+        max_tokens_per_s=lambda m, context, b, bandwidth: bandwidth / step_bytes(m, 1, context, b),
+        ridge_point=lambda peak_flops, bandwidth: peak_flops / bandwidth)
 
 
 # ---------------------------------------------------------------------------- ex10_tensor_parallel (docs/10)
@@ -176,6 +229,11 @@ BROKEN_STAGES = {
         "every draft accepted": _ex12(accept=lambda p, q, d, g: _accept_drafts(p, q, d, g, accept_all=True)),
         "resampled from p, not max(p - q, 0)": _ex12(
             accept=lambda p, q, d, g: _accept_drafts(p, q, d, g, resample_from_p=True)),
+    },
+    "ex08_roofline": {
+        "the whole embedding table counted as read": _ex08_roofline(whole_embedding=True),
+        "only K counted in the KV cache": _ex08_roofline(kv_factor=1),
+        "the ridge batch from the weights alone, the K/V left out": _ex08_roofline(ridge_from_weights=True),
     },
     "ex10_tensor_parallel": {
         "no all_reduce: rank 0's partial taken as the output": _ex13(
