@@ -10,8 +10,6 @@ weight per sequence, plus the attention over the keys. Nothing else is counted (
 Bytes are plain counts (bytes_per_value: 4 for fp32, 2 for bf16); bandwidth is in bytes/s, peak in FLOP/s.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 
