@@ -24,9 +24,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
 
     Returns (B, H, Tq, D) in q's dtype.
     """
-    # TODO 1: scores = q @ k^T / sqrt(D)                                              (B, H, Tq, Tk)
-    # TODO 2: allowed = causal rule (torch.ones(Tq, Tk).tril(diagonal=Tk - Tq)) & keep  (B|1, 1, Tq, Tk)
-    # TODO 3: fill the scores where ~allowed with torch.finfo(scores.dtype).min, softmax over keys,
-    #         then set the weights where ~allowed to 0 (a row with no visible key becomes all zeros)
-    # TODO 4: return weights @ v                                                       (B, H, Tq, D)
+    # TODO 1: the scaled score of every query against every key                        (B, H, Tq, Tk)
+    # TODO 2: which keys each query may see: none after its own position (the queries are the LAST Tq of
+    #         the Tk positions) and no padding key
+    # TODO 3: turn the scores into weights over the visible keys only, without NaN; a query that sees no
+    #         key at all gets weight 0 everywhere
+    # TODO 4: mix the values with those weights                                          (B, H, Tq, D)
     raise NotImplementedError("TODO: exercise ex01_attention, attention with the mask")

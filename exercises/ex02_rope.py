@@ -16,9 +16,9 @@ import torch
 def rope_tables(positions: torch.Tensor, d_head: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
     """positions (T,) int64 -> cos, sin, each (T, D) float32, where column i and column i + D/2 both hold
     the angle positions[t] * theta^(-2i/D)."""
-    # TODO 1: inv_freq = theta ** (-(0, 2, 4, ..., D - 2) / D)          (D/2,)
-    # TODO 2: angles = positions[:, None] * inv_freq[None, :]             (T, D/2), in float32
-    # TODO 3: repeat the angles for the second half: cat([angles, angles], -1), return cos and sin
+    # TODO 1: one rotation speed per pair of columns, as the docstring's formula gives it    (D/2,)
+    # TODO 2: the angle of every (position, pair), computed in float32                      (T, D/2)
+    # TODO 3: lay the angles out so that columns i and i + D/2 (one pair) share an angle; cos and sin
     raise NotImplementedError("TODO: exercise ex02_rope, the cos/sin tables")
 
 
@@ -34,5 +34,5 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
     x_rotated = x * cos + rotate_half(x) * sin, with the tables cast to x's dtype.
     """
-    # TODO 5: tables for the positions, broadcast over batch and heads, rotate q and k
+    # TODO 5: rotate q and k (never v) by their positions' angles, whatever the number of heads
     raise NotImplementedError("TODO: exercise ex02_rope, apply_rope")

@@ -20,7 +20,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """x (..., C); w_gate, w_up (d_ff, C); w_down (C, d_ff) -> w_down(silu(w_gate x) * w_up x), (..., C)."""
-    # TODO 2: silu(a) = a * sigmoid(a) is torch.nn.functional.silu
+    # TODO 2: which branch goes through silu and which one only multiplies decides the result
     raise NotImplementedError("TODO: exercise ex02b_modern_block, swiglu")
 
 
@@ -36,5 +36,5 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     Query head h uses key/value head h // G, where G = H // Hkv (neighbouring query heads share one).
     Returns (B, H, T, D).
     """
-    # TODO 4: either repeat each kv head G times along dim 1 (repeat_interleave), or view q as (B, Hkv, G, T, D)
+    # TODO 4: pair every query head with the kv head of its group, then plain attention
     raise NotImplementedError("TODO: exercise ex02b_modern_block, gqa_attention")

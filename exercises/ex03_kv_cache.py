@@ -37,9 +37,10 @@ class KVCache:
         (B, T): a row's real tokens are numbered on from its next_position, padding does not count (give
         padded slots any position >= 0; their keys are masked anyway).
         """
-        # TODO 1: self.start, self.length = self.length, self.length + T
-        # TODO 2: keep = attention_mask as bool (all True when None); store it in key_padding_mask[:, start:length]
-        # TODO 3: positions = next_position[:, None] + cumsum(keep) - 1, clamped at 0; next_position += real count
+        # TODO 1: this pass owns the T slots right after the ones already filled
+        # TODO 2: record which of those slots hold real tokens
+        # TODO 3: number each row's real tokens on from where that row stopped (padding takes no number of
+        #         its own), and move every row's next_position past its real tokens
         raise NotImplementedError("TODO: exercise ex03_kv_cache, KVCache.begin")
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend) -> torch.Tensor:
@@ -48,8 +49,8 @@ class KVCache:
         Write k and v into slots [start, length) of layer `layer`, then return
         attend(q, all keys so far, all values so far, key_padding_mask of those slots): (B, H, T, D).
         """
-        # TODO 4: copy k, v into self.k[layer, :, :, start:length] and self.v[...]
-        # TODO 5: return attend(q, k_all, v_all, mask) with k_all = self.k[layer, :, :, :length] (B, Hkv, length, D)
+        # TODO 4: store this layer's new keys and values in this pass's slots
+        # TODO 5: attend over every slot written so far (none of the empty ones), with its padding mask
         raise NotImplementedError("TODO: exercise ex03_kv_cache, KVCache.attend")
 
 

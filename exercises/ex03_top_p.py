@@ -16,8 +16,8 @@ import torch
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """logits (B, V), 0 < top_p <= 1 -> logits (B, V) with the tokens outside the nucleus set to -inf."""
-    # TODO 1: sort each row descending (torch.sort returns the values and their vocabulary positions)
-    # TODO 2: probabilities of the sorted row; mass_before[j] = sum of the probabilities ranked above j
-    # TODO 3: drop a token when mass_before >= top_p; scatter that decision back to vocabulary order
-    # TODO 4: return logits with the dropped tokens filled with -inf
+    # TODO 1: rank each row's tokens from the most to the least likely
+    # TODO 2: keep tokens in that order until the kept probability reaches top_p; the token that crosses
+    #         top_p stays, and the most likely token always stays
+    # TODO 3: the other tokens get logit -inf, each in its own vocabulary position
     raise NotImplementedError("TODO: exercise ex03_top_p, top-p")

@@ -29,7 +29,7 @@ def online_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Returns out (B, H, Tq, D) = softmax(q k^T * scale) v and lse (B, H, Tq), the log-sum-exp of each
     row of scores, both in q's dtype.
     """
-    # TODO 1: m = -inf (B, H, Tq, 1), l = 0 (B, H, Tq, 1), acc = 0 (B, H, Tq, D)
-    # TODO 2: for each key block k[:, :, j:j + block_k], v[:, :, j:j + block_k]: the update above
-    # TODO 3: out = acc / l, lse = (m + log l) without the last dim
+    # TODO 1: the running state of every query row before any key has been seen
+    # TODO 2: visit the keys block_k at a time (the last block may be shorter), folding each into the state
+    # TODO 3: from the final state, the normalised output and each row's log-sum-exp
     raise NotImplementedError("TODO: exercise ex04_online_softmax, online softmax over key blocks")

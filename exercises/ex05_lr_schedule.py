@@ -15,5 +15,5 @@ from __future__ import annotations
 
 def lr_at(step: int, lr_max: float, lr_min: float, warmup: int, decay_steps: int) -> float:
     """The learning rate of optimizer step `step` (counted from 0)."""
-    # TODO: the three cases above (math.cos, math.pi)
+    # TODO: the three phases above; step 0 already learns, and the end of the decay lands on lr_min
     raise NotImplementedError("TODO: exercise ex05_lr_schedule, lr_at")

@@ -29,13 +29,13 @@ class BlockManager:
         Append free blocks to seq.block_table until ceil((num_computed_tokens + num_new_tokens) / block_size)
         blocks are there. If the pool has too few free blocks, change nothing and return False.
         """
-        # TODO 1: blocks needed in total (round UP), minus len(seq.block_table)
-        # TODO 2: too few free blocks -> return False before touching anything
-        # TODO 3: move that many ids from free_block_ids to seq.block_table; return True
+        # TODO 1: how many more blocks the sequence needs (a partly filled block is still a block)
+        # TODO 2: a request the pool cannot meet changes nothing at all
+        # TODO 3: otherwise hand the sequence that many free blocks
         raise NotImplementedError("TODO: exercise ex06_block_manager, allocate_slots")
 
     def free(self, seq) -> None:
         """Give all of seq's blocks back to the pool; its block_table becomes [] and num_computed_tokens 0
         (a preempted sequence is recomputed from scratch later)."""
-        # TODO 4
+        # TODO 4: afterwards the pool holds every block again and the sequence owns nothing
         raise NotImplementedError("TODO: exercise ex06_block_manager, free")

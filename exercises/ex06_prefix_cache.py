@@ -34,14 +34,13 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 def block_hashes(tokens: list[int], block_size: int, hash_fn=chain_hash) -> list[int]:
     """The hash chain of the FULL blocks of `tokens` (a last, partly filled block has no hash)."""
-    # TODO 1: one hash per full block; each takes the previous hash (None for the first) and the block's
-    #         tokens as a tuple
+    # TODO 1: one hash per full block that identifies the block together with everything before it
     raise NotImplementedError("TODO: exercise ex06_prefix_cache, block_hashes")
 
 
 def lookup(tokens: list[int], block_size: int, cache: dict[int, CachedBlock], hash_fn=chain_hash) -> list[int]:
     """The block ids of the longest run of leading blocks of `tokens` found in `cache` (hash -> block)."""
-    # TODO 2: the hashes of the full blocks among tokens[:len(tokens) - 1]
-    # TODO 3: walk them from the first; stop at the first hash that is missing, or whose block holds other
-    #         tokens, or whose parent is not the block matched just before (None for block 0)
+    # TODO 2: the blocks that may come from the cache: the step must still compute at least one token
+    # TODO 3: accept leading blocks only while the cache really holds THIS prefix: a hash can collide, and
+    #         a cached block filled after a different block is not this prefix either
     raise NotImplementedError("TODO: exercise ex06_prefix_cache, lookup")

@@ -46,10 +46,11 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 def schedule_step(running: list[SeqState], waiting: list[SeqState], free_blocks: int, block_size: int,
                   max_num_seqs: int, max_num_batched_tokens: int) -> StepPlan:
     """The plan of one step. `running` is in admission order (the last is the newest), `waiting` front first."""
-    # TODO 1: budget = max_num_batched_tokens; walk the running sequences oldest first (a list you can pop
-    #         the newest from). Blocks a sequence needs = blocks_for(computed + new) - blocks_for(computed).
-    # TODO 2: while they do not fit: pop the newest running sequence, add its blocks to free_blocks, put
-    #         its name at the front of the waiting queue, note it as preempted; stop if it was this one.
-    # TODO 3: if nothing was preempted, admit waiting sequences in order (budget, max_num_seqs, blocks);
-    #         the first that does not fit stops the loop.
+    # TODO 1: serve the running sequences first, oldest first, within the step's token budget (a prompt
+    #         too long for what is left of the budget is computed in part: chunked prefill)
+    # TODO 2: when the free blocks run out, make room the way the page describes (whom to preempt, where
+    #         a preempted sequence waits, what happens to its blocks)
+    # TODO 3: then admit waiting sequences first come first served, within every limit; think about
+    #         what a step that had to preempt should do, and what a waiting sequence that does not fit means
+    #         for the ones behind it
     raise NotImplementedError("TODO: exercise ex06_scheduler_step, schedule_step")

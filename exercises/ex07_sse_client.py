@@ -22,7 +22,7 @@ from __future__ import annotations
 def sse_event(payload: dict | str) -> str:
     """One server-sent event: 'data: ' + the payload + a blank line. A dict is written as JSON on ONE line
     (json.dumps escapes newlines inside strings); a str (the final '[DONE]') is written as it is."""
-    # TODO 1: json.dumps a dict (keep a str as it is), then frame it
+    # TODO 1: one event whose data stays on one line, ended so that a reader sees where it stops
     raise NotImplementedError("TODO: exercise ex07_sse_client, sse_event")
 
 
@@ -32,7 +32,7 @@ def parse_sse(body: str) -> list[dict]:
     Events are separated by a blank line; ':' comment lines are skipped. A body that ends without
     `data: [DONE]` was cut off (the server died, a proxy timed out): raise ValueError, so that a
     truncated answer is never taken for a complete one."""
-    # TODO 2: split into events, keep the `data: ` lines, stop at [DONE]; no [DONE] -> ValueError
+    # TODO 2: every data payload up to the end marker; a stream without the marker is not an answer
     raise NotImplementedError("TODO: exercise ex07_sse_client, parse_sse")
 
 
@@ -40,5 +40,5 @@ def latency_metrics(sent_at: float, text_chunk_times: list[float], output_tokens
     """-> {"ttft", "itls", "e2e", "tpot"} in seconds, from when the request was sent, when each chunk
     carrying text arrived, and the number of tokens generated (the usage chunk's completion_tokens).
     tpot is None when only one token came out. No chunk with text: ValueError."""
-    # TODO 3: ttft, itls (a list, one per gap between chunks), e2e, then tpot per token
+    # TODO 3: the four numbers as the docstring defines them; mind what TPOT divides by
     raise NotImplementedError("TODO: exercise ex07_sse_client, latency_metrics")

@@ -30,10 +30,10 @@ class IncrementalText:
 
     def add(self, new_ids: list[int], final: bool) -> str:
         """Take the new ids; return the text that is now safe to send ('' if none)."""
-        # TODO 1: once stopped, return ''
-        # TODO 2: with stop strings, append the ids ONE AT A TIME; after each, decode and look for every stop
-        #         string; at the first hit, set stopped and return the text up to the earliest stop string
-        # TODO 3: otherwise (no hit) decide how far it is safe to send: everything when final; else all but
-        #         the last `hold` characters, and one less if the text ends in "\ufffd"
-        # TODO 4: return only the characters after `sent` (update `sent` and `out`)
+        # TODO 1: after a stop nothing more is ever sent
+        # TODO 2: a stop string must end the text at the token that completed it, even when one call
+        #         brings several tokens; the text sent ends before the earliest stop string
+        # TODO 3: never send characters that might still turn out to be the start of a stop string, or
+        #         half of a character still being decoded; at the end everything left goes out
+        # TODO 4: each call returns only text not sent before
         raise NotImplementedError("TODO: exercise ex07_stop_strings, stop strings")

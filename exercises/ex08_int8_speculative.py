@@ -23,14 +23,15 @@ import torch
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (N, K) float -> (q (N, K) int8, scales (N,) float32), one symmetric scale per row (output channel).
     A row of zeros must not divide by zero (clamp the scale to a tiny positive number)."""
-    # TODO 1: scales = the largest |w| of each row / 127 (clamped above 0)
-    # TODO 2: q = round(w / scale of its row), clamped to [-127, 127], as int8
+    # TODO 1: one scale per row, chosen so that the row's largest magnitude lands on the last int8 step
+    #         (a row of zeros must not divide by zero)
+    # TODO 2: every weight to its NEAREST step, as int8
     raise NotImplementedError("TODO: exercise ex08_int8_speculative, quantize_int8")
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """(q (N, K) int8, scales (N,)) -> w_hat (N, K) float32."""
-    # TODO 3: each row of q times its scale
+    # TODO 3: back to floats with each row's own scale
     raise NotImplementedError("TODO: exercise ex08_int8_speculative, dequantize_int8")
 
 
@@ -40,7 +41,8 @@ def accept_drafts(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator
     drafter's; drafts the k drafted token ids (d_i was drawn from q[i], so q[i, d_i] > 0).
     Returns (how many drafts were accepted, the token that follows them).
     Draw every random number from `generator` (torch.rand(..., generator=generator), torch.multinomial(...))."""
-    # TODO 4: for each draft in order: accept with probability min(1, p/q), else draw from the normalised
-    #         max(p[i] - q[i], 0) and return (i, that token)
-    # TODO 5: all accepted: return (k, a token drawn from p[k])
+    # TODO 4: judge the drafts in order with the rule of the page, so that the tokens that come out are
+    #         distributed exactly as the target model's; the first rejection ends the step with a token
+    #         drawn so that this still holds
+    # TODO 5: when every draft is accepted the target still gives one more token
     raise NotImplementedError("TODO: exercise ex08_int8_speculative, accept_drafts")

@@ -16,7 +16,7 @@ def route(router_logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch
     The softmax runs over ALL E experts first; the weights are those probabilities of the chosen k.
     With renormalize (Mixtral), the k weights are then divided by their sum so that they add up to 1.
     """
-    # TODO 1: probs = softmax over the last dim (in float32); weights, experts = the top k of probs
+    # TODO 1: each token's probabilities over ALL experts (in float32), then its k most likely experts
     # TODO 2: renormalize if asked
     raise NotImplementedError("TODO: exercise ex09_moe_router, route")
 
@@ -30,5 +30,5 @@ def load_balancing_loss(router_logits: torch.Tensor, k: int) -> torch.Tensor:
 
     It is 1 when both are uniform and grows when the router sends many tokens where it is also confident.
     """
-    # TODO 3: f from the top-k expert ids (torch.bincount or scatter_add), P from the softmax, then E * sum(f * P)
+    # TODO 3: the loss above: f counts what the router actually chose, P averages what it wanted
     raise NotImplementedError("TODO: exercise ex09_moe_router, load_balancing_loss")

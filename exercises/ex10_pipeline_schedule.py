@@ -26,8 +26,8 @@ def gpipe_order(rank: int, ranks: int, microbatches: int) -> list[tuple[str, int
 
 def one_f_one_b_order(rank: int, ranks: int, microbatches: int) -> list[tuple[str, int]]:
     """The 1F1B order of one rank (see the module docstring)."""
-    # TODO 2: warm-up forwards (p - 1 - rank of them, at most M), then one F and one B while forwards are
-    #         left, then the remaining backwards in microbatch order
+    # TODO 2: enough forwards first that this rank never waits needlessly (how many depends on the rank),
+    #         then alternate, then drain; the same order torch.distributed.pipelining's Schedule1F1B runs
     raise NotImplementedError("TODO: exercise ex10_pipeline_schedule, one_f_one_b_order")
 
 
@@ -35,7 +35,7 @@ def bubble_fraction(ranks: int, microbatches: int, stages_per_rank: int = 1) -> 
     """The share of the step each rank idles when every stage takes the same time: the fill and drain of
     the pipeline (p - 1 slots) against the whole span; with v stages per rank (interleaved) each slot is
     v times shorter."""
-    # TODO 3: (p - 1) / (v M + p - 1)
+    # TODO 3: idle time as a share of the whole span (work AND idle), for v stages per rank
     raise NotImplementedError("TODO: exercise ex10_pipeline_schedule, bubble_fraction")
 
 
@@ -44,13 +44,13 @@ def simulate(orders: list[list[tuple[str, int]]], t_forward: float = 1.0, t_back
     free and its inputs are done; return each rank's idle fraction 1 - busy / span, where the span runs
     from 0 (rank 0's first forward) to the end of the last action on any rank. Raise ValueError if the
     orders wait on each other forever (a deadlock)."""
-    # TODO 4: keep each action's end time; repeatedly run any rank's next action whose dependencies have
-    #         ended (start = max(rank free, dependencies' ends)); no progress in a whole pass = deadlock
+    # TODO 4: play the orders out in time: an action starts when its rank is free and what it needs from the
+    #         neighbouring stages has finished; orders that can never all finish are an error
     raise NotImplementedError("TODO: exercise ex10_pipeline_schedule, simulate")
 
 
 def peak_in_flight(order: list[tuple[str, int]]) -> int:
     """The most microbatches whose forward has run on this rank and whose backward has not yet: how many
     microbatches of activations the rank holds at its worst moment."""
-    # TODO 5: +1 at each F, -1 at each B, the maximum along the way
+    # TODO 5: how many microbatches' activations this rank holds at the worst moment
     raise NotImplementedError("TODO: exercise ex10_pipeline_schedule, peak_in_flight")

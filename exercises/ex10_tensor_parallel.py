@@ -23,13 +23,13 @@ import torch
 def column_shard(w: torch.Tensor, b: torch.Tensor | None, rank: int, world: int
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """w (out, in), b (out,) or None -> rank's (w (out/W, in), b (out/W,) or None): its output features."""
-    # TODO 1: the rows [rank * out/W, (rank + 1) * out/W) of w, and the same entries of b
+    # TODO 1: this rank's equal share of the OUTPUT features, weight and bias alike
     raise NotImplementedError("TODO: exercise ex10_tensor_parallel, column_shard")
 
 
 def row_shard(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """w (out, in) -> rank's (out, in/W): its input features (columns)."""
-    # TODO 2: the columns [rank * in/W, (rank + 1) * in/W)
+    # TODO 2: this rank's equal share of the INPUT features
     raise NotImplementedError("TODO: exercise ex10_tensor_parallel, row_shard")
 
 
@@ -37,9 +37,8 @@ def tp_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor
            world: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """x (T, C) -> (y (T, C), partials): each rank's partial output (T, C), without b2, and y = their sum + b2.
     gelu is torch.nn.functional.gelu (the exact, erf form)."""
-    # TODO 3: for each rank: its column shard of (w1, b1) and row shard of w2; h = gelu(x @ w1_r^T + b1_r)
-    #         (T, F/W); partial = h @ w2_r^T (T, C)
-    # TODO 4: y = the sum of the partials (what all_reduce computes) + b2
+    # TODO 3: each rank runs the MLP on its shards alone, with no communication, up to a partial output
+    # TODO 4: combine the partials into the full MLP's output, as all_reduce would; mind the last bias
     raise NotImplementedError("TODO: exercise ex10_tensor_parallel, tp_mlp")
 
 
@@ -49,5 +48,5 @@ def qkv_shard_rows(n_heads: int, n_kv_heads: int, d_head: int, rank: int, world:
 
     Rank r keeps q heads [r H/W, (r+1) H/W) and kv heads [r Hkv/W, (r+1) Hkv/W): with GQA, q head h reads
     kv head h // (H / Hkv), so each rank's q heads find the kv heads they read on the same rank."""
-    # TODO 5: q rows, k rows (offset H * d_head), v rows (offset (H + Hkv) * d_head), concatenated
+    # TODO 5: this rank's heads in each of the three sections of the fused weight, each head whole
     raise NotImplementedError("TODO: exercise ex10_tensor_parallel, qkv_shard_rows")

@@ -42,14 +42,15 @@ def chain_digest(parent: bytes, token_ids) -> bytes:
 def chain_keys(tokens: list[int], block_size: int, fingerprint: bytes) -> list[bytes]:
     """The keys of the FULL blocks among tokens[:len(tokens) - 1]: the last token is always computed (the
     step needs its logits), so a block holding it is never looked up."""
-    # TODO 1: how many full blocks fit in the first len(tokens) - 1 tokens
-    # TODO 2: one digest per block, each chained to the one before (b"" for block 0); key = fingerprint + digest
+    # TODO 1: which blocks a lookup may fetch (the step must still compute the prompt's last token)
+    # TODO 2: one key per block that names the block AND everything before it, for this model only
     raise NotImplementedError("TODO: exercise ex11_kv_store_lookup, chain_keys")
 
 
 def entry_ok(entry: Entry, fingerprint: bytes, token_ids: tuple[int, ...]) -> bool:
     """May this entry stand in for the block holding token_ids? (the collision and corruption guard)"""
-    # TODO 3: same fingerprint, same token ids, and checksum(entry.kv) == entry.checksum
+    # TODO 3: accept an entry only when it is this model's, holds exactly the expected tokens, and its
+    #         K/V arrived intact
     raise NotImplementedError("TODO: exercise ex11_kv_store_lookup, entry_ok")
 
 
@@ -59,6 +60,7 @@ def lookup(tokens: list[int], block_size: int, fingerprint: bytes, tiers: list[d
     entries a check refused. Each block comes from the FASTEST tier holding its key; if that entry fails
     entry_ok, the run ends there (counted as one refusal); the run also ends at the first block no tier
     holds. Blocks after a gap are useless: attention needs every earlier block."""
-    # TODO 4: walk chain_keys(...) from block 0; for each key find the first tier that has it
-    # TODO 5: stop at a block no tier has; stop (and count 1) at an entry that fails entry_ok
+    # TODO 4: for each block in order, fetch it from the fastest tier that has it
+    # TODO 5: the result is a run from block 0: think about what a missing or a rejected block means for
+    #         the blocks after it, and count the rejections
     raise NotImplementedError("TODO: exercise ex11_kv_store_lookup, lookup")

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 def choice_mask(vocab: list[str], choices: list[str], generated: str, eos_id: int) -> list[bool]:
     """One bool per token of `vocab`: may it come next?"""
-    # TODO 1: for each token t (not EOS): allowed if its string is not empty and generated + vocab[t] is a
-    #         prefix of at least one choice (str.startswith)
-    # TODO 2: EOS: allowed if generated equals one of the choices
+    # TODO 1: a token is allowed when, whole, it keeps the text on the way to at least one choice (a token
+    #         that adds nothing makes no progress)
+    # TODO 2: EOS is allowed exactly when stopping now leaves a valid answer
     raise NotImplementedError("TODO: exercise ex12_choice_mask, the choice mask")
 
 
 def pack_bitmask(allowed: list[bool]) -> list[int]:
     """The mask as ceil(V / 32) int32 words (bit t % 32 of word t // 32 = token t allowed)."""
-    # TODO 3: add 1 << (t % 32) to word t // 32 for every allowed token t
-    # TODO 4: turn each word into a signed int32 value: a word >= 2**31 becomes word - 2**32
+    # TODO 3: token t's bit goes into the word and position the docstring gives (lowest bit first)
+    # TODO 4: the words are int32, so a word with its top bit set is a negative number
     raise NotImplementedError("TODO: exercise ex12_choice_mask, the bitmask")
