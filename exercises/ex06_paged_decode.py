@@ -11,9 +11,9 @@ in block_tables[s]; its key number p (0 <= p < context_lens[s]) sits in slot
 
 A decode step has ONE new query per sequence. `mini_transformer.attention.paged.paged_decode_attention` is
 the readable reference: it gathers every block of every sequence into one padded tensor, masks the tail and
-takes a full softmax. Here you do what a decode kernel does instead (the C++ kernel of paged_cpu.py, vLLM's
-paged attention): walk the block table one block at a time and keep a running softmax (docs/04's online
-softmax) — no gathered copy of the context, no padding, and no slot outside the sequence is ever read.
+takes a full softmax. Here you do what the project's C++ decode kernel (attention/paged_cpu.py) does
+instead: walk the block table one block at a time and keep a running softmax (docs/04's online softmax) —
+no gathered copy of the context, no padding, and no slot outside the sequence is ever read.
 
 Shapes: q (S, H, D); k_cache, v_cache (num_slots, Hkv, D) with H a multiple of Hkv (GQA: query head h reads
 kv head h // (H // Hkv)); block_tables (S, Bmax) int64, rows padded with block ids that must not be read;

@@ -46,11 +46,7 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 def schedule_step(running: list[SeqState], waiting: list[SeqState], free_blocks: int, block_size: int,
                   max_num_seqs: int, max_num_batched_tokens: int) -> StepPlan:
     """The plan of one step. `running` is in admission order (the last is the newest), `waiting` front first."""
-    # TODO 1: serve the running sequences first, oldest first, within the step's token budget (a prompt
-    #         too long for what is left of the budget is computed in part: chunked prefill)
-    # TODO 2: when the free blocks run out, make room the way the page describes (whom to preempt, where
-    #         a preempted sequence waits, what happens to its blocks)
-    # TODO 3: then admit waiting sequences first come first served, within every limit; think about
-    #         what a step that had to preempt should do, and what a waiting sequence that does not fit means
-    #         for the ones behind it
+    # TODO 1: rule 1: the running sequences within the step's token budget (blocks_for helps with blocks)
+    # TODO 2: rule 1's preemption when the free blocks run out: who gives way, where it waits, what it returns
+    # TODO 3: rule 2: admit waiting sequences, within every limit; mind when a step admits nobody at all
     raise NotImplementedError("TODO: exercise ex06_scheduler_step, schedule_step")
