@@ -1,7 +1,7 @@
 """Loads the file a grader grades: exercises/<EXERCISE>.py, or the same name under $EXERCISE_DIR.
 
-    uv run pytest exercises/test_ex1_attention.py                        # grades exercises/ex1_attention.py
-    EXERCISE_DIR=my_answers uv run pytest exercises/test_ex1_attention.py  # grades my_answers/ex1_attention.py
+    uv run pytest exercises/test_ex01_attention.py                        # grades exercises/ex01_attention.py
+    EXERCISE_DIR=my_answers uv run pytest exercises/test_ex01_attention.py  # grades my_answers/ex01_attention.py
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def test_grader_fails_on_the_blank(name, tmp_path):
             check(blank)
 
 
-# apart: 11-13 (docs/07, 08, 10), 14-15 (docs/06), 16 (docs/11), 17 (docs/12)
+# apart: docs/07, 08, 10 (stages), docs/06 (engine), docs/11 (kv store), docs/12 (structured)
 BROKEN = {**BROKEN, **BROKEN_STAGES, **BROKEN_ENGINE, **BROKEN_KV_STORE, **BROKEN_STRUCTURED}
 CASES = [(name, label) for name, variants in BROKEN.items() for label in variants]
 

@@ -173,7 +173,7 @@ def test_cli_sample_pipeline_parallel_prints_what_one_process_prints(two_ranks, 
 
 
 def test_1f1b_runs_warm_up_then_one_forward_one_backward(two_ranks):
-    """What Schedule1F1B really runs (exercise 16 and docs/10 draw it): rank 0 warms up with p - 1 = 1
+    """What Schedule1F1B really runs (ex10_pipeline_schedule, docs/10 draw it): rank 0 warms up with p - 1 = 1
     extra forward, rank 1 (the last) alternates from the start; at most p - rank microbatches in flight."""
     rank_0, rank_1 = (r["order"] for r in two_ranks[1])
     assert rank_0 == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]

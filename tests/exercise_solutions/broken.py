@@ -12,7 +12,7 @@ from mini_transformer.inference.decoders import decode_step
 from mini_transformer.inference.kv_cache import KVCache
 from mini_transformer.server.text import IncrementalText as _ProjectIncrementalText
 
-from . import ex2_rope, ex6_modern_block, ex7_lr_schedule, ex9_moe_router
+from . import ex02_rope, ex02b_modern_block, ex05_lr_schedule, ex09_moe_router
 
 
 def _gqa_modulo(q, k, v):
@@ -30,7 +30,7 @@ def _warmup_from_zero(step, lr_max, lr_min, warmup, decay_steps):
     """Step 0 gets lr 0: a wasted first step."""
     if step < warmup:
         return lr_max * step / warmup
-    return ex7_lr_schedule.lr_at(step, lr_max, lr_min, warmup, decay_steps)
+    return ex05_lr_schedule.lr_at(step, lr_max, lr_min, warmup, decay_steps)
 
 
 class _PositionsFromZero(KVCache):
@@ -173,48 +173,48 @@ class _NoHoldBack(_ProjectIncrementalText):
 
 
 BROKEN = {
-    "ex1_attention": {
+    "ex01_attention": {
         "masked scores filled with 0": types.SimpleNamespace(attention=_attention_filling(0.0)),
         "masked scores filled with -inf": types.SimpleNamespace(attention=_attention_filling(float("-inf"))),
         "masked weights not zeroed after softmax": types.SimpleNamespace(attention=_attention_filling("finfo.min")),
     },
-    "ex2_rope": {
+    "ex02_rope": {
         "neighbouring pairs (2i, 2i+1)": types.SimpleNamespace(
-            rope_tables=ex2_rope.rope_tables, rotate_half=ex2_rope.rotate_half, apply_rope=_rope_interleaved_pairs),
+            rope_tables=ex02_rope.rope_tables, rotate_half=ex02_rope.rotate_half, apply_rope=_rope_interleaved_pairs),
     },
-    "ex4_kv_cache": {
+    "ex03_kv_cache": {
         "positions restart at 0 every step": types.SimpleNamespace(KVCache=_PositionsFromZero, decode_step=decode_step),
         "new keys overwrite slot 0": types.SimpleNamespace(KVCache=_OverwritesTheStart, decode_step=decode_step),
         "padding counted in positions": types.SimpleNamespace(KVCache=_CountsPadding, decode_step=decode_step),
     },
-    "ex5_top_p": {
+    "ex03_top_p": {
         "the token that crosses top_p dropped": types.SimpleNamespace(top_p_filter=_top_p_without_the_crossing_token),
     },
-    "ex6_modern_block": {
+    "ex02b_modern_block": {
         "query head h uses kv head h % Hkv": types.SimpleNamespace(
-            rms_norm=ex6_modern_block.rms_norm, swiglu=ex6_modern_block.swiglu,
-            llama_ffn_size=ex6_modern_block.llama_ffn_size, gqa_attention=_gqa_modulo),
+            rms_norm=ex02b_modern_block.rms_norm, swiglu=ex02b_modern_block.swiglu,
+            llama_ffn_size=ex02b_modern_block.llama_ffn_size, gqa_attention=_gqa_modulo),
         "silu on the up branch": types.SimpleNamespace(
-            rms_norm=ex6_modern_block.rms_norm, swiglu=_swiglu_gate_swapped,
-            llama_ffn_size=ex6_modern_block.llama_ffn_size, gqa_attention=ex6_modern_block.gqa_attention),
+            rms_norm=ex02b_modern_block.rms_norm, swiglu=_swiglu_gate_swapped,
+            llama_ffn_size=ex02b_modern_block.llama_ffn_size, gqa_attention=ex02b_modern_block.gqa_attention),
     },
-    "ex7_lr_schedule": {
+    "ex05_lr_schedule": {
         "warmup starts at lr 0": types.SimpleNamespace(lr_at=_warmup_from_zero),
     },
-    "ex8_block_manager": {
+    "ex06_block_manager": {
         "blocks counted with floor, not ceil": types.SimpleNamespace(BlockManager=_FloorBlocks),
         "free loses the blocks": types.SimpleNamespace(BlockManager=_FreeKeepsBlocks),
     },
-    "ex9_moe_router": {
+    "ex09_moe_router": {
         "softmax over the chosen k only": types.SimpleNamespace(
-            route=_route_softmax_over_the_k, load_balancing_loss=ex9_moe_router.load_balancing_loss),
+            route=_route_softmax_over_the_k, load_balancing_loss=ex09_moe_router.load_balancing_loss),
         "f from probabilities, not counts": types.SimpleNamespace(
-            route=ex9_moe_router.route, load_balancing_loss=_loss_with_soft_shares),
+            route=ex09_moe_router.route, load_balancing_loss=_loss_with_soft_shares),
     },
-    "ex3_online_softmax": {
+    "ex04_online_softmax": {
         "alpha rescale dropped": types.SimpleNamespace(online_softmax_attention=_online_softmax_without_alpha),
     },
-    "ex10_stop_strings": {
+    "ex07_stop_strings": {
         "stop strings checked once per chunk": types.SimpleNamespace(IncrementalText=_StopCheckedPerChunk),
         "no hold-back of a possible stop string": types.SimpleNamespace(IncrementalText=_NoHoldBack),
     },

@@ -1,4 +1,4 @@
-"""Wrong answers for exercises 14 and 15 (docs/06: the scheduler's step, the prefix-cache lookup), each a
+"""Wrong answers for the docs/06 exercises (scheduler step, prefix-cache lookup, paged decode), each a
 whole answer written out here with ONE mistake a learner is likely to make. tests/test_exercises.py adds
 them to broken.BROKEN; the page's "break it" list names the same mistakes."""
 
@@ -7,8 +7,10 @@ from __future__ import annotations
 import types
 from typing import NamedTuple
 
+import torch
 
-# ------------------------------------------------------------------------------ exercise 14 (docs/06 §5)
+
+# ---------------------------------------------------------------------------- ex06_scheduler_step (docs/06 §5)
 class _Plan(NamedTuple):
     scheduled: list
     preempted: list
@@ -67,7 +69,7 @@ def _ex14(**mistake):
     return types.SimpleNamespace(schedule_step=lambda *state: _schedule_step(*state, **mistake))
 
 
-# ------------------------------------------------------------------------------ exercise 15 (docs/06 §4)
+# ---------------------------------------------------------------------------- ex06_prefix_cache (docs/06 §4)
 class _CachedBlock(NamedTuple):
     block_id: int
     token_ids: tuple
@@ -108,18 +110,52 @@ def _ex15(chained=True, **mistake):
         lookup=lambda t, bs, cache, hash_fn=_chain_hash: _lookup(t, bs, cache, hash_fn, chained=chained, **mistake))
 
 
+# ---------------------------------------------------------------------------- ex06_paged_decode (docs/06 §3)
+def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
+                  rescale=True, whole_last_block=False, heads_modulo=False):
+    S, H, D = q.shape
+    Hkv = k_cache.shape[1]
+    kv_head = torch.arange(H) % Hkv if heads_modulo else torch.arange(H) // (H // Hkv)
+    out = torch.empty(S, H, D, dtype=torch.float64)
+    for s in range(S):
+        length, query = int(context_lens[s]), q[s].double()
+        m = torch.full((H,), float("-inf"), dtype=torch.float64)
+        l, acc = torch.zeros(H, dtype=torch.float64), torch.zeros(H, D, dtype=torch.float64)
+        for b in range(-(-length // block_size)):
+            filled = block_size if whole_last_block else min(block_size, length - b * block_size)
+            start = int(block_tables[s, b]) * block_size
+            k = k_cache[start:start + filled].double()[:, kv_head]
+            v = v_cache[start:start + filled].double()[:, kv_head]
+            scores = torch.einsum("hd,nhd->hn", query, k) * scale
+            m_new = torch.maximum(m, scores.amax(-1))
+            alpha = torch.exp(m - m_new) if rescale else torch.ones(H, dtype=torch.float64)
+            p = torch.exp(scores - m_new[:, None])
+            l, acc, m = l * alpha + p.sum(-1), acc * alpha[:, None] + torch.einsum("hn,nhd->hd", p, v), m_new
+        out[s] = acc / l[:, None]
+    return out.to(q.dtype)
+
+
+def _ex06_paged(**mistake):
+    return types.SimpleNamespace(paged_decode=lambda *args: _paged_decode(*args, **mistake))
+
+
 BROKEN_ENGINE = {
-    "ex14_scheduler_step": {
+    "ex06_scheduler_step": {
         "the OLDEST running sequence preempted": _ex14(victim=0),
         "new sequences admitted in a step that preempted": _ex14(admit_after_preempt=True),
         "a later waiting sequence overtakes the blocked head": _ex14(overtake=True),
         "a preempted sequence sent to the back of the queue": _ex14(preempted_to_back=True),
         "no chunked prefill: a prompt waits until it fits the budget whole": _ex14(whole_prompts=True),
     },
-    "ex15_prefix_cache": {
+    "ex06_prefix_cache": {
         "the hash trusted, no token comparison": _ex15(token_guard=False),
         "the parent not checked": _ex15(parent_guard=False),
         "the whole prompt looked up (a fully cached prompt computes nothing)": _ex15(whole_prompt=True),
         "a block hashed without its parent": _ex15(chained=False),
+    },
+    "ex06_paged_decode": {
+        "the running sum and accumulator not rescaled when the max grows": _ex06_paged(rescale=False),
+        "the unfilled tail of the last block read as keys": _ex06_paged(whole_last_block=True),
+        "query head h paired with kv head h % Hkv": _ex06_paged(heads_modulo=True),
     },
 }

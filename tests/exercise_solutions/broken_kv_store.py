@@ -1,10 +1,10 @@
-"""Wrong answers to exercise 16 (docs/11's "break it" experiments), each of which its grader must reject."""
+"""Wrong answers to ex11_kv_store_lookup (docs/11's "break it" experiments), each of which its grader must reject."""
 
 from __future__ import annotations
 
 import types
 
-from . import ex16_kv_store_lookup as right
+from . import ex11_kv_store_lookup as right
 
 
 def _variant(**overrides):
@@ -43,7 +43,7 @@ def _lookup_jumping_gaps(tokens, block_size, fingerprint, tiers):
 
 
 BROKEN_KV_STORE = {
-    "ex16_kv_store_lookup": {
+    "ex11_kv_store_lookup": {
         "no token-id guard": _variant(entry_ok=_no_token_guard),
         "the last token's block looked up": _variant(chain_keys=_keys_with_the_last_token),
         "keys not chained": _variant(chain_keys=_unchained_keys),

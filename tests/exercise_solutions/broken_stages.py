@@ -6,13 +6,15 @@ not landed yet."""
 from __future__ import annotations
 
 import json
+import math
 import types
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 
-# ------------------------------------------------------------------------------ exercise 11 (docs/07)
+# ---------------------------------------------------------------------------- ex07_sse_client (docs/07)
 def _sse_event(payload):
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
@@ -45,7 +47,7 @@ def _ex11(sse=_sse_event, parse=_parse_sse, latency=_latency_metrics):
     return types.SimpleNamespace(sse_event=sse, parse_sse=parse, latency_metrics=latency)
 
 
-# ------------------------------------------------------------------------------ exercise 12 (docs/08b, 08c)
+# ---------------------------------------------------------------------------- ex08_int8_speculative (docs/08b, 08c)
 def _quantize_int8(w, per_tensor=False, rounding=torch.round):
     biggest = w.abs().amax() if per_tensor else w.abs().amax(dim=1)
     scales = (biggest.clamp(min=1e-12) / 127).expand(w.shape[0]).float()  # (N,)
@@ -69,7 +71,58 @@ def _ex12(quantize=_quantize_int8, accept=_accept_drafts):
     return types.SimpleNamespace(quantize_int8=quantize, dequantize_int8=_dequantize_int8, accept_drafts=accept)
 
 
-# ------------------------------------------------------------------------------ exercise 13 (docs/10)
+# --------------------------------------------------------------------------- ex08_roofline (docs/08a)
+@dataclass(frozen=True)
+class _Model:
+    vocab_size: int
+    d_model: int
+    n_layer: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+
+    @property
+    def d_head(self):
+        return self.d_model // self.n_heads
+
+
+def _ex08_roofline(whole_embedding=False, kv_factor=2, ridge_from_weights=False):
+    def linear_params(m):
+        qkvo = m.d_model * m.d_head * (2 * m.n_heads + 2 * m.n_kv_heads)
+        return m.n_layer * (qkvo + 3 * m.d_model * m.d_ff) + m.d_model * m.vocab_size
+
+    def weight_bytes(m, b):
+        embedding = m.vocab_size * m.d_model if whole_embedding else m.d_model
+        return (linear_params(m) + (2 * m.n_layer + 1) * m.d_model + embedding) * b
+
+    def kv_bytes_per_token(m, b):
+        return kv_factor * m.n_layer * m.n_kv_heads * m.d_head * b
+
+    def step_flops(m, batch, context):
+        return batch * (2 * linear_params(m) + 4 * m.n_layer * m.n_heads * m.d_head * (context + 1))
+
+    def step_bytes(m, batch, context, b):
+        return weight_bytes(m, b) + batch * (context + 1) * kv_bytes_per_token(m, b)
+
+    def ridge_batch(m, context, b, peak_flops, bandwidth):
+        ridge = peak_flops / bandwidth
+        if ridge_from_weights:  # batch · 2 · params / weight bytes >= ridge, the K/V left out
+            return math.ceil(ridge * weight_bytes(m, b) / (2 * linear_params(m)))
+        if step_flops(m, 1, context) / ((context + 1) * kv_bytes_per_token(m, b)) <= ridge:
+            return None
+        batch = 1
+        while step_flops(m, batch, context) / step_bytes(m, batch, context, b) < ridge:
+            batch += 1
+        return batch
+
+    return types.SimpleNamespace(
+        Model=_Model, linear_params=linear_params, weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes_per_token,
+        step_flops=step_flops, step_bytes=step_bytes, ridge_batch=ridge_batch,
+        max_tokens_per_s=lambda m, context, b, bandwidth: bandwidth / step_bytes(m, 1, context, b),
+        ridge_point=lambda peak_flops, bandwidth: peak_flops / bandwidth)
+
+
+# ---------------------------------------------------------------------------- ex10_tensor_parallel (docs/10)
 def _column_shard(w, b, rank, world):
     rows = slice(rank * w.shape[0] // world, (rank + 1) * w.shape[0] // world)
     return w[rows], None if b is None else b[rows]
@@ -105,7 +158,7 @@ def _ex13(mlp=_tp_mlp, qkv=_qkv_rows):
     return types.SimpleNamespace(column_shard=_column_shard, row_shard=_row_shard, tp_mlp=mlp, qkv_shard_rows=qkv)
 
 
-# ------------------------------------------------------------------------------ exercise 18 (docs/10)
+# ---------------------------------------------------------------------------- ex10_pipeline_schedule (docs/10)
 def _gpipe_order(rank, ranks, microbatches):
     return [("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)]
 
@@ -164,26 +217,31 @@ def _ex18(one_f=_1f1b_order, bubble=_bubble, simulate=_simulate):
 
 
 BROKEN_STAGES = {
-    "ex11_sse_client": {
+    "ex07_sse_client": {
         "an event ends with one newline": _ex11(sse=lambda payload: _sse_event(payload)[:-1]),
         "a stream cut off before [DONE] taken as complete": _ex11(parse=lambda body: _parse_sse(body, False)),
         "TPOT per chunk (the mean ITL), not per token": _ex11(
             latency=lambda s, t, n: _latency_metrics(s, t, n, tpot_per="chunk")),
     },
-    "ex12_int8_speculative": {
+    "ex08_int8_speculative": {
         "one scale for the whole tensor": _ex12(quantize=lambda w: _quantize_int8(w, per_tensor=True)),
         "truncate instead of round": _ex12(quantize=lambda w: _quantize_int8(w, rounding=torch.trunc)),
         "every draft accepted": _ex12(accept=lambda p, q, d, g: _accept_drafts(p, q, d, g, accept_all=True)),
         "resampled from p, not max(p - q, 0)": _ex12(
             accept=lambda p, q, d, g: _accept_drafts(p, q, d, g, resample_from_p=True)),
     },
-    "ex13_tensor_parallel": {
+    "ex08_roofline": {
+        "the whole embedding table counted as read": _ex08_roofline(whole_embedding=True),
+        "only K counted in the KV cache": _ex08_roofline(kv_factor=1),
+        "the ridge batch from the weights alone, the K/V left out": _ex08_roofline(ridge_from_weights=True),
+    },
+    "ex10_tensor_parallel": {
         "no all_reduce: rank 0's partial taken as the output": _ex13(
             mlp=lambda *a: _tp_mlp(*a, reduce="none")),
         "b2 added on every rank before the sum": _ex13(mlp=lambda *a: _tp_mlp(*a, bias_per_rank=True)),
         "W_qkv cut as one contiguous block of rows": _ex13(qkv=_qkv_rows_one_block),
     },
-    "ex18_pipeline_schedule": {
+    "ex10_pipeline_schedule": {
         "1F1B warm-up of p - 1 forwards on every rank": _ex18(one_f=lambda r, p, m: _1f1b_order(r, p, m, False)),
         "bubble over the work, (p - 1) / (v M)": _ex18(bubble=lambda p, m, v=1: _bubble(p, m, v, of_work=True)),
         "a stage that does not wait for its neighbours": _ex18(

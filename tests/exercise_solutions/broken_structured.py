@@ -1,4 +1,4 @@
-"""Wrong answers for exercise 17 (docs/12: the token mask of a `choice` constraint), each a whole answer
+"""Wrong answers for exercise ex12_choice_mask (docs/12: the token mask of a `choice` constraint), each a whole answer
 with ONE mistake a learner is likely to make; docs/12's "break it" list names the same mistakes."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _ex17(*, eos="whole", spanning=True, empty=False, bit_order="low", signed=Tr
 
 
 BROKEN_STRUCTURED = {
-    "ex17_choice_mask": {
+    "ex12_choice_mask": {
         "EOS always allowed": _ex17(eos="always"),
         "EOS never allowed": _ex17(eos="never"),
         "EOS allowed whenever the text is a prefix (not a whole choice)": _ex17(eos="prefix"),
