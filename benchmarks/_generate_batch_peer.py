@@ -20,13 +20,14 @@ from mini_transformer.engine import EngineConfig, LLMEngine
 
 
 class ForwardTimer:
-    """Seconds spent inside the model's forward pass (a pre and a post hook), to split a step into the
-    model's work and the host's (scheduling, inputs, sampling, outputs). One per model: `of(model)`."""
+    """Seconds spent inside the model's forward pass, from the token embedding to the LM head (hooks on
+    those two layers: the engine calls model.logits, which the root module's hooks do not see), to split a
+    step into the model's work and the host's (scheduling, inputs, sampling, outputs). One per model."""
 
     def __init__(self, model):
         self.seconds, self._start = 0.0, 0.0
-        model.register_forward_pre_hook(lambda *_: setattr(self, "_start", time.perf_counter()))
-        model.register_forward_hook(self._stop)
+        model.tok_emb.register_forward_pre_hook(lambda *_: setattr(self, "_start", time.perf_counter()))
+        model.lm_head.register_forward_hook(self._stop)
 
     def _stop(self, *_):
         self.seconds += time.perf_counter() - self._start

@@ -97,9 +97,12 @@ def build_model(args) -> TransformerLM:
 
 
 class ForwardCounter:
+    """Forward passes of the model: the LM head runs once per pass (the engine and generate() call
+    model.logits, which the root module's own hooks do not see)."""
+
     def __init__(self, model):
         self.calls = 0
-        model.register_forward_hook(self._hook)
+        model.lm_head.register_forward_hook(self._hook)
 
     def _hook(self, *_):
         self.calls += 1
