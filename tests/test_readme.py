@@ -198,7 +198,8 @@ class Runner:
 
     def __init__(self, workdir: Path):
         self.workdir, self.env = workdir, clean_env(workdir)
-        (workdir / "benchmarks").symlink_to(ROOT / "benchmarks")  # the stages' benchmarks run from a clone
+        for folder in ("benchmarks", "docs"):  # the stages' benchmarks and the docs' scripts run from a clone
+            (workdir / folder).symlink_to(ROOT / folder)
         self.servers: dict[int, tuple[subprocess.Popen, Path, str]] = {}  # written port -> server
         self.ports: dict[int, int] = {}  # port written in the docs -> the free one it runs on
         self.results: list[tuple[str, str]] = []
