@@ -297,3 +297,5 @@ def test_each_decoder_gives_the_recompute_decoder_s_logits(compiled):
             token = want.argmax(-1)  # (B,)
             got, want = cached.step(token), reference.step(token)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    if compiled:  # on the CPU the steps after the first replay the recorded graph, without dynamo
+        assert cached.replay is not None and cached.replay.graph is not None

@@ -13,9 +13,13 @@ queries. So the backend replaces them while inductor traces the step:
   * int8 weights: each linear's input stored once instead of recomputed per weight (a config patch).
 
 The rules reach inductor as its decomposition table (`DecodeDecompositions`), for this backend's compiles only.
+`GraphReplay` calls the compiled graph of one (model, cache) without dynamo from its second step on.
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable
 
 import torch
 
@@ -120,7 +124,8 @@ def cpu_decode_backend(gm, example_inputs):
     if any(isinstance(t, torch.Tensor) and t.dtype == torch.int8 for t in example_inputs):
         options["realize_cpu_opcount_threshold"] = 4  # int8 weights: store each linear's input once
     with functorch_config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, config_patches=options, decompositions=decode_decompositions())
+        graph = compile_fx(gm, example_inputs, config_patches=options, decompositions=decode_decompositions())
+    return _recordable(graph)
 
 
 class DecodeDecompositions(dict):
@@ -143,3 +148,57 @@ def decode_decompositions() -> DecodeDecompositions:
     return DecodeDecompositions({**select_decomp_table(), aten.addmm.default: _one_row_addmm,
                                  aten.mm.default: _one_row_mm,
                                  aten._scaled_dot_product_flash_attention_for_cpu.default: _one_query_attention})
+
+
+class _Recording(threading.local):
+    calls: list | None = None  # while a list: each call of a compiled graph appends (graph, inputs, outputs)
+
+
+_RECORDING = _Recording()
+
+
+def _recordable(graph: Callable) -> Callable:
+    """The compiled graph, with a way for GraphReplay to see the flat inputs dynamo hands it."""
+    def call(*inputs):
+        outputs = graph(*inputs)
+        if _RECORDING.calls is not None:
+            _RECORDING.calls.append((graph, inputs, outputs))
+        return outputs
+    return call
+
+
+class GraphReplay:
+    """The compiled decode step of ONE (model, cache), called without dynamo from the second step on.
+
+    Every call of a dynamo-compiled function gathers the model's weight and cache tensors and checks its
+    guards on all of them before it runs the graph: a fixed host cost per token, large beside a quantized
+    step (docs/08a). Within one decode the inputs are the same tensors every step but the token, so the
+    first step goes through dynamo (every guard checked) while this backend records the flat inputs it
+    hands the graph; later steps call the graph with that list, the new token in its slot. Where nothing
+    usable was recorded (CUDA graphs, a graph that does not take the token as one input) every step goes
+    through dynamo.
+
+    Relies on (tested with torch 2.15.0): dynamo calling the backend's compiled function with the graph's
+    flat inputs, the token among them as the very tensor passed in, and the logits among its outputs."""
+
+    def __init__(self, step: Callable, model, token: torch.Tensor, cache):
+        self.step, self.model, self.cache, self.graph = step, model, cache, None
+        _RECORDING.calls = []
+        try:
+            self.first_logits = step(model, token, cache)  # (B, V), through dynamo with its guards
+            calls = _RECORDING.calls
+        finally:
+            _RECORDING.calls = None
+        if len(calls) != 1:
+            return
+        graph, inputs, outputs = calls[0]
+        token_at = [i for i, t in enumerate(inputs) if t is token]
+        logits_at = [i for i, t in enumerate(outputs) if t is self.first_logits]
+        if len(token_at) == 1 and len(logits_at) == 1:
+            self.graph, self.inputs, self.token_at, self.logits_at = graph, list(inputs), token_at[0], logits_at[0]
+
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        if self.graph is None:
+            return self.step(self.model, token, self.cache)
+        self.inputs[self.token_at] = token  # (B,) int64 like the first token
+        return self.graph(*self.inputs)[self.logits_at]

@@ -27,7 +27,7 @@ import torch
 
 from ..model.cache import AttendFn
 from ..model.transformer import TransformerLM
-from .cpu_decode import cpu_decode_backend
+from .cpu_decode import GraphReplay, cpu_decode_backend
 from .decoders import prefill
 from .kv_cache import SlabCache
 
@@ -184,9 +184,13 @@ class CompiledDecoder:
         max_len = static_length(needed_len, model.config.max_seq_len)
         self.cache = decode_cache(model, batch_size, max_len, dtype=model.tok_emb.weight.dtype, device=device)
         self.compiled_step = compiled_decode_step(device)
+        self.replay: GraphReplay | None = None  # the first step records the compiled graph's inputs
 
     def prefill(self, idx: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         return prefill(self.model, idx, self.cache, attention_mask)  # eager: T > 1 (the module docstring)
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
-        return self.compiled_step(self.model, token, self.cache)
+        if self.replay is None:
+            self.replay = GraphReplay(self.compiled_step, self.model, token, self.cache)
+            return self.replay.first_logits
+        return self.replay(token)
