@@ -325,15 +325,19 @@ def test_kill_at_every_line_of_a_save_then_resume_is_bit_identical(corpus, tmp_p
     assert len(resumed_states) >= 3  # before the renames, between them, after them
 
 
+def two_step_run(data: str, out) -> list[str]:
+    """`train` on `data` (as given, relative or not) for 2 tiny steps into `out`."""
+    return ["train", "--data", data, "--preset", "tiny", "--set", "max_seq_len=16", "--set", "progress=false",
+            "--set", "num_samples=0", "--set", "eval_batches=1", "--max-steps", "2", "--eval-interval", "2",
+            "--warmup-steps", "1", "--batch-size", "2", "--out", str(out)]
+
+
 def test_resume_from_another_working_directory_finds_a_relative_data_path(corpus, tmp_path, monkeypatch):
     """The first run is given --data as a path relative to its working directory; `train --resume` from
     another directory still reads the same text (the run keeps the file's absolute path)."""
     monkeypatch.chdir(corpus.parent)
     out = tmp_path / "run"
-    args = ["train", "--data", corpus.name, "--preset", "tiny", "--set", "max_seq_len=16", "--set", "progress=false",
-            "--set", "num_samples=0", "--set", "eval_batches=1", "--max-steps", "2", "--eval-interval", "2",
-            "--warmup-steps", "1", "--batch-size", "2", "--out", str(out)]
-    assert cli(args)[0] == 0
+    assert cli(two_step_run(corpus.name, out))[0] == 0
     assert load_train_state(out / "last")["data_name"] == str(corpus.resolve())
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -399,10 +403,7 @@ def test_an_explicit_data_on_resume_is_honoured_from_another_directory(corpus, t
     being different, refused), not the first run's file of the same relative name."""
     monkeypatch.chdir(corpus.parent)
     out = tmp_path / "run"
-    args = ["train", "--data", corpus.name, "--preset", "tiny", "--set", "max_seq_len=16", "--set", "progress=false",
-            "--set", "num_samples=0", "--set", "eval_batches=1", "--max-steps", "2", "--eval-interval", "2",
-            "--warmup-steps", "1", "--batch-size", "2", "--out", str(out)]
-    assert cli(args)[0] == 0
+    assert cli(two_step_run(corpus.name, out))[0] == 0
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     edited_copy(corpus, elsewhere / corpus.name)

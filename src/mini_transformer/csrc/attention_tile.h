@@ -87,6 +87,15 @@ static inline float exp_and_sum_generic(float* x, int64_t n, float max) {
   return sum;
 }
 
+// Whether this build runs the AVX-512 tile loop (else the generic one): each attention kernel's `vectorized` op.
+static inline bool attention_tile_vectorized() {
+#ifdef ATTENTION_TILE_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
 #ifdef ATTENTION_TILE_AVX512
 template <typename T>
 static inline float dot(const float* q, const T* k, int64_t D) { return dot_avx512(q, k, D); }

@@ -113,14 +113,6 @@ std::tuple<at::Tensor, at::Tensor> one_query_attend(at::Tensor q, at::Tensor key
   return {out, lse};
 }
 
-bool one_query_vectorized() {  // whether this build has the AVX-512 path (else the generic one)
-#ifdef ATTENTION_TILE_AVX512
-  return true;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 DEFINE_OPS(LIBRARY_NAME(mt_one_query), m) {
@@ -131,5 +123,5 @@ IMPLEMENT_OPS(LIBRARY_NAME(mt_one_query), CPU, m) {
   m.impl("attend", &one_query_attend);
 }
 IMPLEMENT_OPS(LIBRARY_NAME(mt_one_query), CompositeExplicitAutograd, m) {
-  m.impl("vectorized", &one_query_vectorized);
+  m.impl("vectorized", &attention_tile_vectorized);
 }

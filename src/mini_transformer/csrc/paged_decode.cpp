@@ -99,14 +99,6 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
   return out;
 }
 
-bool paged_decode_vectorized() {  // whether this build has the AVX-512 path (else the generic one)
-#ifdef ATTENTION_TILE_AVX512
-  return true;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 DEFINE_OPS(LIBRARY_NAME(mt_paged), m) {
@@ -118,5 +110,5 @@ IMPLEMENT_OPS(LIBRARY_NAME(mt_paged), CPU, m) {
   m.impl("decode", &paged_decode);
 }
 IMPLEMENT_OPS(LIBRARY_NAME(mt_paged), CompositeExplicitAutograd, m) {
-  m.impl("vectorized", &paged_decode_vectorized);
+  m.impl("vectorized", &attention_tile_vectorized);
 }
