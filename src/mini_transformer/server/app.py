@@ -80,6 +80,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
             ctx.engine_loop.draining = True
             await asyncio.to_thread(ctx.engine_loop.shutdown)
             ctx.workers.shutdown()
+            if ctx.engine_loop.engine.kv_events is not None:
+                await asyncio.to_thread(ctx.engine_loop.engine.kv_events.close)
 
     app = FastAPI(title="mini-transformer", lifespan=lifespan)
     app.state.ctx = ctx
@@ -251,7 +253,9 @@ async def _respond(gen: Generation, body, request: Request, ctx: ServerContext, 
     except BaseException:
         gen.close()
         raise
-    rid = P.new_id("chatcmpl" if chat else "cmpl")
+    given = P.client_request_id(request.headers.get("x-request-id"))
+    rid = P.new_id("chatcmpl" if chat else "cmpl") if given is None else f"{'chatcmpl' if chat else 'cmpl'}-{given}"
+    echo = {} if given is None else {"X-Request-Id": given}  # a router follows one request across replicas
     if not body.stream:
         try:
             choices = await gen.collect(request.is_disconnected)
@@ -264,14 +268,15 @@ async def _respond(gen: Generation, body, request: Request, ctx: ServerContext, 
                     for c in choices]
         texts = [(c.out, c.finish_reason) for c in choices]
         if chat:
-            return P.chat_response(rid, ctx.model_name, texts, logprobs, use)
+            return JSONResponse(P.chat_response(rid, ctx.model_name, texts, logprobs, use), headers=echo)
         prompt_logprobs = None if body.prompt_logprobs is None else [
             prompt_logprobs_json(scored(c.prompt, c.prompt_entries), body.prompt_logprobs, ctx.codec.token_text)
             for c in choices]
-        return P.completion_response(rid, ctx.model_name, texts, logprobs, use, prompt_logprobs)
+        return JSONResponse(P.completion_response(rid, ctx.model_name, texts, logprobs, use, prompt_logprobs),
+                            headers=echo)
     return ClosingStreamingResponse(_stream(gen, body, rid, ctx, chat), on_close=gen.close,
                                     media_type="text/event-stream",
-                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **echo})
 
 
 def _logprobs_json(ctx: ServerContext, gen: Generation, tokens, chat: bool, formatter: CompletionLogprobs):

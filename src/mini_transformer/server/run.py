@@ -38,14 +38,16 @@ def build_context(checkpoint: str | Path, *, config: EngineConfig | None = None,
                   api_key: str | None = None, max_waiting: int = 256, device: str = "cpu", model=None,
                   kv_store: str | None = None, host_kv_bytes: int | None = None,
                   kv_store_secret: bytes | None = None, warm_up: bool = False,
-                  limits: Limits | None = None) -> ServerContext:
+                  limits: Limits | None = None, kv_events: dict | None = None) -> ServerContext:
     """Load the model and tokenizer of `checkpoint` (ours or a Hugging Face GPT-2 / Llama directory) and
     put an engine around them, sized by `config` (None: EngineConfig's defaults). `model` may be given to
     serve a model already in memory. `kv_store`
     (redis://HOST:PORT) and `host_kv_bytes` add KV store tiers behind the pool (engine/kv_connector.py),
     whose entries are signed with `kv_store_secret` (shared by the replicas; kv_store_secret_from).
     `warm_up`: run warm_up_engine before returning, so no client pays for compiling. `limits`: what one
-    request may cost (body, prompt, constraint sizes, grammar compile time; None: Limits' defaults)."""
+    request may cost (body, prompt, constraint sizes, grammar compile time; None: Limits' defaults).
+    `kv_events`: publish the prefix cache's changes for a KV-aware router, with these KVEventPublisher
+    arguments (endpoint=, replay_endpoint=, topic=; engine/kv_events.py)."""
     from ..engine import LLMEngine
 
     non_negative_int("max_waiting", max_waiting)  # EngineConfig checked its own fields
@@ -61,6 +63,10 @@ def build_context(checkpoint: str | Path, *, config: EngineConfig | None = None,
     # the engine adds EOS to each request's stop ids itself (SamplingParams.stops), unless ignore_eos
     engine = LLMEngine(model, config, eos_token_id=codec.eos_token_id, kv_connector=connector,
                        tokenizer=codec.tokenizer)
+    if kv_events is not None:
+        from ..engine.kv_events import KVEventPublisher
+
+        engine.publish_kv_events(KVEventPublisher(block_size=config.block_size, **kv_events))
     if warm_up:
         warm_up_engine(engine)
     stats = engine.stats()
