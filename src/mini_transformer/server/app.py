@@ -2,6 +2,7 @@
 
     GET  /                     the live page (static/index.html)
     GET  /health               200 while serving, 503 while shutting down or once the engine thread is gone
+    GET  /get_load             {"load": requests in flight}, polled by vllm-router (power_of_two)
     GET  /metrics              Prometheus text format
     GET  /v1/models            the one model served
     GET  /v1/models/{id}       that model (404 for another id)
@@ -110,6 +111,10 @@ def _add_status_routes(app: FastAPI, ctx: ServerContext, require_key: Callable) 
         if not ctx.engine_loop.alive:
             return JSONResponse({"status": "engine thread not running"}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/get_load", **describe("load"))  # like /health, open: a router polls it without a key
+    async def load():
+        return {"load": ctx.engine_loop.in_flight}
 
     @app.get("/metrics", dependencies=[Depends(require_key)], **describe("metrics"))
     async def metrics():
