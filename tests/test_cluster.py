@@ -1,7 +1,8 @@
 """`mini-transformer cluster`: two replicas behind vllm-router (kv_aware, fed by our KV events), started
 as the command line does and stopped by SIGTERM. Through the router the answers equal a direct server's;
 a prefix one replica alone holds (sent to it directly, its KV events observed) is routed to that replica;
-after `kill -9` of a replica, every request still succeeds and the live replica's /metrics answers.
+after `kill -9` of a replica, every request still succeeds, and the router's /workers and the replicas'
+/metrics agree on which one is down.
 Skipped with a message where vllm-router is absent."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 import zmq
 from server_support import make_char_checkpoint
 
-from mini_transformer.cli.cluster_command import free_port, router_binary
+from mini_transformer.cli.cluster_command import Cluster, _parse_pd, free_port, router_binary
 
 START_TIMEOUT_S = 300.0  # bounds, not expectations: two servers and a router on a busy 2-core machine
 STOP_TIMEOUT_S = 60.0
@@ -165,3 +166,40 @@ def test_a_killed_replica_is_routed_around(cluster):
     answers = [complete(router, f"Request {i} after the kill").status_code for i in range(10)]
     assert answers == [200] * 10
     assert served(live["url"]) - before == 10  # the live replica's /metrics answers, and counted them all
+    with pytest.raises(httpx.TransportError):
+        httpx.get(dead["url"] + "/metrics", timeout=HTTP_TIMEOUT_S)
+    deadline = time.monotonic() + EVENT_TIMEOUT_S  # the router's health checks agree, within a few periods
+    while (view := {w["url"]: w["is_healthy"] for w in httpx.get(router + "/workers", timeout=HTTP_TIMEOUT_S)
+                    .json()["workers"]}) != {live["url"]: True, dead["url"]: False}:
+        assert time.monotonic() < deadline, view
+        time.sleep(0.5)
+
+
+def test_the_pd_plan_starts_producers_consumers_a_store_and_a_pd_router(tmp_path):
+    cluster = Cluster(str(tmp_path), pd=(1, 2), redis=True, policy="round_robin", block_size=16)
+    try:
+        names = [piece.name for piece in cluster.pieces]
+        assert names == ["redis", "prefill 0", "decode 1", "decode 2", "router"]
+        redis, prefill, *decode, router = cluster.pieces
+        store = f"redis://127.0.0.1:{redis.argv[redis.argv.index('--port') + 1]}"
+        for piece, role in ((prefill, "producer"), *((d, "consumer") for d in decode)):
+            argv = piece.argv
+            assert argv[argv.index("--kv-role") + 1] == role and argv[argv.index("--kv-store") + 1] == store
+            assert "--kv-events-endpoint" not in argv
+        argv = router.argv
+        assert "--vllm-pd-disaggregation" in argv and "--worker-urls" not in argv
+        assert argv[argv.index("--prefill") + 1] == prefill.url
+        assert [argv[i + 1] for i, a in enumerate(argv) if a == "--decode"] == [d.url for d in decode]
+    finally:
+        cluster.stop()
+
+
+def test_the_cluster_refuses_what_cannot_work(tmp_path):
+    with pytest.raises(ValueError, match="KV store"):
+        Cluster(str(tmp_path), pd=(1, 1))
+    with pytest.raises(ValueError, match="block-size 16"):
+        Cluster(str(tmp_path), pd=(1, 1), kv_store="redis://127.0.0.1:1", policy="kv_aware", block_size=4)
+    with pytest.raises(ValueError, match="policies"):
+        Cluster(str(tmp_path), policy="fastest")
+    with pytest.raises(ValueError, match="P:D"):
+        _parse_pd("1:0")
