@@ -91,6 +91,12 @@ def served(url: str) -> float:
     return sum(float(v) for v in re.findall(r'^vllm:request_success_total\{[^}]*\} (\S+)', text, re.M))
 
 
+def event_batches(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=HTTP_TIMEOUT_S).text
+    return {state: float(v) for state, v in
+            re.findall(r'^mini_transformer_kv_event_batches\{state="(\w+)"\} (\S+)', text, re.M)}
+
+
 def test_answers_through_the_router_equal_a_direct_servers(cluster):
     router, direct = cluster["router"], cluster["replicas"][0]["url"]
     for prompt in ("Hello there", "The quick brown fox", "abc abc abc"):
@@ -157,6 +163,12 @@ def test_kv_aware_sends_a_prefix_to_the_replica_that_holds_it(cluster):
         assert complete(router, prefixes[owner] + tail).status_code == 200
         grew = [served(r["url"]) - b for r, b in zip(replicas, before, strict=True)]
         assert grew[owner] == 1 and grew[1 - owner] == 0, (owner, tail, grew)
+    for replica in replicas:  # refreshed with the engine's state while it is busy, so wait for it (bounded)
+        deadline = time.monotonic() + EVENT_TIMEOUT_S
+        while (batches := event_batches(replica["url"]))["published"] == 0:
+            assert time.monotonic() < deadline, batches
+            time.sleep(0.2)
+        assert batches["dropped"] == 0
 
 
 def test_a_killed_replica_is_routed_around(cluster):

@@ -303,6 +303,8 @@ class EngineLoop:
         m.observe_pool(snapshot.num_blocks, snapshot.blocks_in_use)
         m.catch_up(snapshot.stats)
         m.observe_kv_store(snapshot.stats)
+        if self.engine.kv_events is not None:
+            m.observe_kv_events(self.engine.kv_events.published, self.engine.kv_events.dropped)
         state = engine_state(snapshot, {h.engine_id: h for h in self._active.values()})
         state.update(time=time.time(), tokens_per_s=round(self._tokens_per_s(now), 2),
                      tokens_generated=self._tokens_total, stats=dict(snapshot.stats))

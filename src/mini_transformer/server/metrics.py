@@ -89,6 +89,9 @@ class ServerMetrics:
         self.kv_errors = Gauge(f"{OURS}kv_store_errors", "Store calls that failed (down, timed out)", registry=r)
         self.kv_verify_failures = Gauge(f"{OURS}kv_store_verify_failures",
                                         "Entries refused by a check (checksum, fingerprint, token ids)", registry=r)
+        # KV events for a router (engine/kv_events.py); all zero without --kv-events-endpoint
+        self.kv_event_batches = Gauge(f"{OURS}kv_event_batches", "KV event batches published, or dropped "
+                                      "because the publisher's queue was full", ["state"], registry=r)
 
     def finished(self, reason: str):
         """The request_success counter of one finish reason."""
@@ -145,6 +148,10 @@ class ServerMetrics:
         self.kv_bytes.labels("saved").set(stats["kv_store_bytes_saved"])
         self.kv_errors.set(stats["kv_store_store_errors"])
         self.kv_verify_failures.set(stats["kv_store_verify_failures"])
+
+    def observe_kv_events(self, published: int, dropped: int) -> None:
+        self.kv_event_batches.labels("published").set(published)
+        self.kv_event_batches.labels("dropped").set(dropped)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
