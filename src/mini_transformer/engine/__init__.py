@@ -21,6 +21,8 @@ vLLM's names, one small file each:
   kv_connector.py   KVConnector: full blocks kept behind the pool and shared by replicas (lookup, load, save)
   kv_entry.py       one stored block: its format, the model fingerprint, its MAC (keyed by a shared secret)
   kv_tiers.py       HostTier (an LRU in host memory), RedisTier (a Redis server): where those blocks live
+  kv_events.py      KVEventPublisher: the prefix cache's changes as vLLM's KV events, for a KV-aware router
+                    (imported on its own: it brings ZeroMQ)
 """
 
 from ..inference.sampling import SamplingParams
