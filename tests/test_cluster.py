@@ -120,6 +120,8 @@ def test_a_request_id_header_names_the_response(cluster):
     direct = cluster["replicas"][0]["url"]
     answer = complete(direct, "Hello", headers={"X-Request-Id": "trace-42"})
     assert answer.json()["id"] == "cmpl-trace-42" and answer.headers["x-request-id"] == "trace-42"
+    answer = complete(cluster["router"], "Hello", headers={"X-Request-Id": "trace-43"})  # the router passes it on
+    assert answer.json()["id"] == "cmpl-trace-43" and answer.headers["x-request-id"] == "trace-43"
 
 
 def observe_stored(endpoint: str, sub, tokens: list[int]) -> None:
