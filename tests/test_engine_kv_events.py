@@ -255,7 +255,9 @@ def test_a_taken_endpoint_fails_at_startup():
     endpoint = free_endpoint()
     publisher = KVEventPublisher(endpoint, BS)
     try:
-        with pytest.raises(zmq.ZMQError):
+        with pytest.raises(OSError, match="cannot bind KV events"):
             KVEventPublisher(endpoint, BS)
+        with pytest.raises(OSError, match="cannot bind KV events"):
+            KVEventPublisher("tcp://no-port", BS)
     finally:
         publisher.close()

@@ -84,16 +84,24 @@ class KVEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay = None
         try:
-            self._pub.bind(endpoint)
+            self._bind(self._pub, endpoint)
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.bind(replay_endpoint)
-        except zmq.ZMQError:
+                self._bind(self._replay, replay_endpoint)
+        except OSError:
             self._close_sockets()
             raise
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def _bind(sock, endpoint: str) -> None:
+        """Bind, or an OSError naming the endpoint (a taken port, a malformed address)."""
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as err:
+            raise OSError(err.errno, f"cannot bind KV events to {endpoint!r}: {err.strerror}") from None
 
     def publish(self, events: list[tuple]) -> None:
         """Queue one step's cache events (block-manager tuples) as a batch; never blocks."""
