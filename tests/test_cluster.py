@@ -7,6 +7,7 @@ Skipped with a message where vllm-router is absent."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -138,6 +139,19 @@ def observe_stored(endpoint: str, sub, tokens: list[int]) -> None:
     raise AssertionError(f"no BlockStored for the prompt from {endpoint}")
 
 
+def joined(sub, url: str) -> None:
+    """A SUB socket misses what is published before it has joined: send the replica small requests (each
+    stores a block, so a batch goes out) until one of their batches arrives; then drop what came."""
+    deadline = time.monotonic() + EVENT_TIMEOUT_S
+    for i in itertools.count():
+        assert time.monotonic() < deadline, f"never joined the KV events of {url}"
+        assert complete(url, f"probe {i:04d}", max_tokens=1).status_code == 200
+        if sub.poll(500):
+            break
+    while sub.poll(500):
+        sub.recv_multipart()
+
+
 def test_kv_aware_sends_a_prefix_to_the_replica_that_holds_it(cluster):
     router, replicas = cluster["router"], cluster["replicas"]
     prefixes = ["Once upon a time there was a tiny model.", "Quietly, seven zebras jumped over a fence!"]
@@ -149,7 +163,7 @@ def test_kv_aware_sends_a_prefix_to_the_replica_that_holds_it(cluster):
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(replica["events"])
             subs.append(sub)
-        time.sleep(1.0)  # a SUB socket misses what is published before it has joined
+            joined(sub, replica["url"])
         for replica, sub, prefix in zip(replicas, subs, prefixes, strict=True):  # each prefix to one replica only
             assert complete(replica["url"], prefix, max_tokens=1).status_code == 200
             tokens = httpx.post(replica["url"] + "/tokenize", json={"model": "ckpt", "prompt": prefix},
@@ -158,7 +172,7 @@ def test_kv_aware_sends_a_prefix_to_the_replica_that_holds_it(cluster):
     finally:
         for sub in subs:
             sub.close(linger=0)
-    time.sleep(1.0)  # the router's own subscription receives the same batches
+    time.sleep(2.0)  # the router's own subscription receives the same batches
     # not alternating, so that round robin cannot pass by chance
     for owner, tail in ((0, " Then"), (0, " And"), (1, " Then"), (1, " And"), (0, " So"), (1, " So")):
         before = [served(r["url"]) for r in replicas]
