@@ -30,6 +30,7 @@ def _add_serve(sub) -> None:
                    "with (or MINI_TRANSFORMER_KV_STORE_SECRET); without one they are not signed")
     p.add_argument("--host-kv-bytes", type=int, metavar="N", help="keep up to N bytes of KV blocks in host "
                    "memory behind the pool (an LRU tier in front of --kv-store)")
+    _add_kv_role_options(p)
     p.add_argument("--device", default="cpu")
     add_model_options(p)
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false", help="skip the dummy requests "
@@ -37,6 +38,15 @@ def _add_serve(sub) -> None:
     _add_limit_options(p)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=_run_serve)
+
+
+def _add_kv_role_options(p) -> None:
+    """One side of prefill/decode disaggregation behind `vllm-router --vllm-pd-disaggregation`
+    (server/kv_transfer.py); the KV moves through --kv-store."""
+    p.add_argument("--kv-role", choices=("producer", "consumer"), help="producer: a prefill server, answers "
+                   "once the prompt's KV blocks are in --kv-store; consumer: a decode server, loads them from there")
+    p.add_argument("--kv-load-timeout", type=float, default=1.0, metavar="SECONDS", help="how long a consumer "
+                   "waits for a producer's blocks still in flight before it recomputes them")
 
 
 def _add_limit_options(p) -> None:
@@ -79,7 +89,7 @@ def _run_serve(args) -> None:
     ctx = build_context(args.checkpoint, config=config, model=model, model_name=args.model_name,
                         api_key=api_key, max_waiting=args.max_waiting, device=args.device, kv_store=args.kv_store,
                         host_kv_bytes=args.host_kv_bytes, kv_store_secret=kv_store_secret, warm_up=args.warm_up,
-                        limits=_limits(args))
+                        limits=_limits(args), kv_role=args.kv_role, kv_load_timeout_s=args.kv_load_timeout)
     print(f"serving {ctx.model_name!r} on http://{args.host}:{args.port} (live page at /, API under /v1)",
           flush=True)
     serve(ctx, host=args.host, port=args.port, log_level=args.log_level, host_names=tuple(args.allowed_hosts))
