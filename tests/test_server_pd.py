@@ -163,3 +163,13 @@ def test_consumer_refuses_malformed_transfer_params(cluster):
     response = httpx.post(f"{consumer.url}/v1/completions", json=body, timeout=30)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "kv_transfer_params"
+
+
+def test_kv_role_options_are_checked(tmp_path):
+    from mini_transformer.server import build_context
+
+    make_char_checkpoint(tmp_path, max_seq_len=32)
+    with pytest.raises(ValueError, match="needs a kv_store"):
+        build_context(tmp_path, kv_role="consumer")
+    with pytest.raises(ValueError, match="kv_role='decoder' must be one of producer, consumer"):
+        build_context(tmp_path, kv_role="decoder", kv_store="redis://127.0.0.1:1")

@@ -21,6 +21,7 @@ from ..tokenizer import check_vocab_size
 from .access import allowed_hosts
 from .app import ServerContext, create_app
 from .engine_loop import EngineLoop
+from .kv_transfer import ROLES as KV_ROLES
 from .kv_transfer import KVTransfer
 from .limits import Limits
 from .metrics import ServerMetrics
@@ -54,6 +55,8 @@ def build_context(checkpoint: str | Path, *, config: EngineConfig | None = None,
 
     non_negative_int("max_waiting", max_waiting)  # EngineConfig checked its own fields
     config = EngineConfig() if config is None else config
+    if kv_role not in (None, *KV_ROLES):
+        raise ValueError(f"kv_role={kv_role!r} must be one of {', '.join(KV_ROLES)}")
     if kv_role is not None and kv_store is None:
         raise ValueError(f"kv_role={kv_role!r} needs a kv_store (--kv-store redis://...): the KV moves through it")
     if api_key is not None and not api_key:
