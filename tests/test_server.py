@@ -251,6 +251,19 @@ def test_disconnect_mid_stream_aborts_and_frees_the_blocks(served):
     assert served.ctx.engine_loop.engine.stats()["requests_aborted"] >= 1
 
 
+def test_get_load_counts_the_requests_in_flight(served):
+    """vllm-router's load-aware policies poll GET /get_load for {"load": N} (open, like /health)."""
+    assert served.http.get("/get_load").json() == {"load": 0}
+    body = {"model": MODEL, "prompt": "Keep me busy", "max_tokens": 360, "temperature": 0, "stream": True}
+    with slowed_engine(served), httpx.Client(base_url=served.url, timeout=30) as client, \
+            client.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # running now
+        assert served.http.get("/get_load").json() == {"load": 1}
+    served.wait_idle()
+    assert served.http.get("/get_load").json() == {"load": 0}
+
+
 def test_metrics_export_the_histograms_and_counters(served):
     served.client.completions.create(model=MODEL, prompt="count me", max_tokens=4, temperature=0)
     text = served.http.get("/metrics").text

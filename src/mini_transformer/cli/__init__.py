@@ -1,6 +1,6 @@
-"""`mini-transformer train | sample | serve | trace | info`: the command line.
+"""`mini-transformer train | sample | serve | cluster | trace | info`: the command line.
 
-One module per command (sample_command.py, train_command.py, serve_command.py); the
+One module per command (sample_command.py, train_command.py, serve_command.py, cluster_command.py); the
 two commands that only look at a config, `info` and `trace`, and what every command shares (the parser,
 the one-line errors and their exit codes) stay here. `python -m mini_transformer.cli` runs __main__.py.
 """
@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from ..config import PRESETS
+from .cluster_command import _add_cluster
 from .options import config_from_args, parse_overrides
 from .sample_command import _add_sample, _TextStream
 from .serve_command import _add_serve
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sample(sub)
     _add_train(sub)
     _add_serve(sub)
+    _add_cluster(sub)
     for command in sub.choices.values():  # `--debug` also works after the command's name
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser

@@ -30,6 +30,12 @@ def _add_serve(sub) -> None:
                    "with (or MINI_TRANSFORMER_KV_STORE_SECRET); without one they are not signed")
     p.add_argument("--host-kv-bytes", type=int, metavar="N", help="keep up to N bytes of KV blocks in host "
                    "memory behind the pool (an LRU tier in front of --kv-store)")
+    p.add_argument("--kv-events-endpoint", metavar="URL", help="publish the prefix cache's changes (vLLM's KV "
+                   "events: msgpack over a ZeroMQ PUB socket bound here, e.g. tcp://127.0.0.1:5557) for "
+                   "vllm-router --policy kv_aware --kv-event-source http://THIS_SERVER=URL; off by default")
+    p.add_argument("--kv-events-replay-endpoint", metavar="URL", help="also answer requests for missed event "
+                   "batches on a ZeroMQ ROUTER socket bound here (vllm-router --kv-event-replay-source)")
+    p.add_argument("--kv-events-topic", default="", help="the topic frame of each event message (default empty)")
     _add_kv_role_options(p)
     p.add_argument("--device", default="cpu")
     add_model_options(p)
@@ -69,6 +75,15 @@ def _limits(args):
                   max_guided_choices=args.max_guided_choices, grammar_compile_timeout_s=args.grammar_compile_timeout)
 
 
+def _kv_events(args) -> dict | None:
+    if args.kv_events_endpoint is None:
+        if args.kv_events_replay_endpoint is not None:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        return None
+    return {"endpoint": args.kv_events_endpoint, "replay_endpoint": args.kv_events_replay_endpoint,
+            "topic": args.kv_events_topic}
+
+
 def _run_serve(args) -> None:
     from .._checks import integer
     from ..checkpoint import resolve_checkpoint_dir
@@ -89,7 +104,8 @@ def _run_serve(args) -> None:
     ctx = build_context(args.checkpoint, config=config, model=model, model_name=args.model_name,
                         api_key=api_key, max_waiting=args.max_waiting, device=args.device, kv_store=args.kv_store,
                         host_kv_bytes=args.host_kv_bytes, kv_store_secret=kv_store_secret, warm_up=args.warm_up,
-                        limits=_limits(args), kv_role=args.kv_role, kv_load_timeout_s=args.kv_load_timeout)
+                        limits=_limits(args), kv_events=_kv_events(args), kv_role=args.kv_role,
+                        kv_load_timeout_s=args.kv_load_timeout)
     print(f"serving {ctx.model_name!r} on http://{args.host}:{args.port} (live page at /, API under /v1)",
           flush=True)
     serve(ctx, host=args.host, port=args.port, log_level=args.log_level, host_names=tuple(args.allowed_hosts))

@@ -21,6 +21,11 @@ already share the block. Freed blocks keep their contents and hash; the free lis
 block was freed, and allocation takes the oldest one: least-recently-used eviction. A cache hit on a
 free block takes it off the free list again. A shared block (ref_count > 1) is freed only when the last
 sequence lets go.
+
+Cache events. While `events` is a list (engine/kv_events.py sets it), every change of the prefix cache is
+appended to it: ("stored", parent_hash, hashes, token_ids) for a run of blocks entered in one go,
+("removed", hashes) for blocks that leave it, ("cleared",) for a reset. A router reads them to learn what
+this pool holds.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
         self.hash_to_block_id: dict[int, int] = {}
         self.peak_blocks_in_use = 0
+        self.events: list[tuple] | None = None  # the cache's changes since the last drain_events (None: off)
 
     # ------------------------------------------------------------------------------- accounting
     @property
@@ -121,6 +127,7 @@ class BlockManager:
         if not self.enable_prefix_caching or first >= last:
             return
         hashes, tokens, bs = self.block_hashes(seq, last), seq.tokens, self.block_size
+        entered = []
         for i in range(first, last):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None and hashes[i] not in self.hash_to_block_id:
@@ -129,6 +136,46 @@ class BlockManager:
                     block.parent = self.blocks[seq.block_table[i - 1]]
                     block.parent_generation = block.parent.generation
                 self.hash_to_block_id[hashes[i]] = block.block_id
+                entered.append(i)
+        if self.events is not None and entered:
+            self._note_stored(hashes, tokens, entered)
+
+    def _note_stored(self, hashes: list[int], tokens: list[int], entered: list[int]) -> None:
+        """One "stored" event per run of consecutive blocks: each names its parent by the hash of the block
+        just before it, so a reader can chain the runs into prefixes."""
+        bs, start = self.block_size, 0
+        for k in range(1, len(entered) + 1):
+            if k == len(entered) or entered[k] != entered[k - 1] + 1:
+                i, j = entered[start], entered[k - 1] + 1
+                self.events.append(("stored", hashes[i - 1] if i else None, hashes[i:j], tokens[i * bs:j * bs]))
+                start = k
+
+    def _uncache(self, block: Block) -> None:
+        """Take a block out of the prefix cache (evicted, reused, or its contents untrusted)."""
+        if self.hash_to_block_id.get(block.block_hash) == block.block_id:
+            del self.hash_to_block_id[block.block_hash]
+            if self.events is not None:
+                self.events.append(("removed", [block.block_hash]))
+        block.forget()
+
+    def drain_events(self) -> list[tuple]:
+        """The cache events since the last call, oldest first (and the list starts afresh)."""
+        if self.events is None:
+            return []
+        events, self.events = self.events, []
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (new weights make old K/V wrong). Refused (False) while a sequence
+        holds blocks: their tables point into the cache."""
+        if self.num_blocks_in_use:
+            return False
+        for block in self.blocks:
+            block.forget()
+        self.hash_to_block_id.clear()
+        if self.events is not None:
+            self.events.append(("cleared",))
+        return True
 
     # -------------------------------------------------------------------------------- allocation
     def can_admit(self, seq: Sequence, cached_blocks: Seq[int], num_new_tokens: int) -> bool:
@@ -166,9 +213,7 @@ class BlockManager:
         block_id, _ = self.free_block_ids.popitem(last=False)  # the least recently freed
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict it from the prefix cache
-            if self.hash_to_block_id.get(block.block_hash) == block_id:
-                del self.hash_to_block_id[block.block_hash]
-            block.forget()
+            self._uncache(block)
         block.generation += 1
         block.ref_count = 1
         return block_id
@@ -179,9 +224,7 @@ class BlockManager:
         for block_id in seq.block_table[seq.num_computed_tokens // self.block_size:]:
             block = self.blocks[block_id]
             if block.block_hash is not None:
-                if self.hash_to_block_id.get(block.block_hash) == block_id:
-                    del self.hash_to_block_id[block.block_hash]
-                block.forget()
+                self._uncache(block)
 
     def free(self, seq: Sequence) -> None:
         """Let go of seq's blocks. The last block goes on the free list first, so a sequence's tail is

@@ -89,6 +89,7 @@ class LLMEngine:
                                    kv_connector)
         self._handoff = PoolHandoff(model_config, self.runner, self.block_manager)
         self.requests: dict[str, Sequence] = {}  # unfinished requests by id
+        self.kv_events = None  # a KVEventPublisher once publish_kv_events was called
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -184,6 +185,23 @@ class LLMEngine:
         seq.finish("abort")
         return True
 
+    def publish_kv_events(self, publisher) -> None:
+        """From now on, publish the prefix cache's changes after each step (engine/kv_events.py). The
+        cache is reset first, so what subscribers learn starts from an empty pool: call it while the
+        engine holds no request."""
+        if self.requests or not self.block_manager.reset_prefix_cache():
+            raise RuntimeError("publish_kv_events needs an engine with no request in flight")
+        self.kv_events = publisher
+        self.block_manager.events = [("cleared",)]
+        publisher.publish(self.block_manager.drain_events())
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (False, and nothing changed, while requests hold blocks)."""
+        reset = self.block_manager.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.publish(self.block_manager.drain_events())
+        return reset
+
     # ------------------------------------------------------------- prefill/decode disaggregation
     def prefill_for_handoff(self, prompt_token_ids, params: SamplingParams | None = None) -> KVHandoff:
         """Run one request's prompt until its first token is sampled and hand back what another engine
@@ -240,12 +258,20 @@ class LLMEngine:
         return bool(self.requests)
 
     # --------------------------------------------------------------------------------------- step
-    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample, and let the scheduler take in what came out. Returns
         one RequestOutput per request that produced a token in this step (a request still in the middle
         of its prefill produces none). If the forward pass raises, the requests of this step end with
-        finish_reason "error" and the error propagates."""
+        finish_reason "error" and the error propagates. With KV events on, the step's cache changes go
+        out as one batch."""
+        try:
+            return self._step()
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.publish(self.block_manager.drain_events())
+
+    @torch.inference_mode()
+    def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             assert not self.scheduler.has_unfinished(), "the scheduler made no progress"

@@ -2,6 +2,7 @@
 
     GET  /                     the live page (static/index.html)
     GET  /health               200 while serving, 503 while shutting down or once the engine thread is gone
+    GET  /get_load             {"load": requests in flight}, polled by vllm-router (power_of_two)
     GET  /metrics              Prometheus text format
     GET  /v1/models            the one model served
     GET  /v1/models/{id}       that model (404 for another id)
@@ -82,6 +83,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
             ctx.engine_loop.draining = True
             await asyncio.to_thread(ctx.engine_loop.shutdown)
             ctx.workers.shutdown()
+            if ctx.engine_loop.engine.kv_events is not None:
+                await asyncio.to_thread(ctx.engine_loop.engine.kv_events.close)
 
     app = FastAPI(title="mini-transformer", lifespan=lifespan)
     app.state.ctx = ctx
@@ -110,6 +113,10 @@ def _add_status_routes(app: FastAPI, ctx: ServerContext, require_key: Callable) 
         if not ctx.engine_loop.alive:
             return JSONResponse({"status": "engine thread not running"}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/get_load", **describe("load"))  # like /health, open: a router polls it without a key
+    async def load():
+        return {"load": ctx.engine_loop.in_flight}
 
     @app.get("/metrics", dependencies=[Depends(require_key)], **describe("metrics"))
     async def metrics():
@@ -255,7 +262,9 @@ async def _respond(gen: Generation, body, request: Request, ctx: ServerContext, 
     except BaseException:
         gen.close()
         raise
-    rid = P.new_id("chatcmpl" if chat else "cmpl")
+    given = P.client_request_id(request.headers.get("x-request-id"))
+    rid = P.new_id("chatcmpl" if chat else "cmpl") if given is None else f"{'chatcmpl' if chat else 'cmpl'}-{given}"
+    echo = {} if given is None else {"X-Request-Id": given}  # a router follows one request across replicas
     if not body.stream:
         try:
             choices = await gen.collect(request.is_disconnected)
@@ -276,10 +285,10 @@ async def _respond(gen: Generation, body, request: Request, ctx: ServerContext, 
             response = P.completion_response(rid, ctx.model_name, texts, logprobs, use, prompt_logprobs)
         if ctx.kv_transfer is not None and (transfer := await ctx.kv_transfer.after_finish()) is not None:
             response["kv_transfer_params"] = transfer  # a prefill server: its blocks are in the store now
-        return response
+        return JSONResponse(response, headers=echo)
     return ClosingStreamingResponse(_stream(gen, body, rid, ctx, chat), on_close=gen.close,
                                     media_type="text/event-stream",
-                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **echo})
 
 
 def _logprobs_json(ctx: ServerContext, gen: Generation, tokens, chat: bool, formatter: CompletionLogprobs):

@@ -214,6 +214,18 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+MAX_REQUEST_ID_CHARS = 128
+
+
+def client_request_id(header: str | None) -> str | None:
+    """The X-Request-Id a client or router sent, if it is a sane one (printable ASCII, no spaces, not too
+    long); the response's id is built from it, as vLLM does. Anything else is ignored, not refused."""
+    if header and len(header) <= MAX_REQUEST_ID_CHARS and header.isascii() and header.isprintable() \
+            and " " not in header:
+        return header
+    return None
+
+
 def now() -> int:
     return int(time.time())
 

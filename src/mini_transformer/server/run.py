@@ -40,7 +40,7 @@ def build_context(checkpoint: str | Path, *, config: EngineConfig | None = None,
                   api_key: str | None = None, max_waiting: int = 256, device: str = "cpu", model=None,
                   kv_store: str | None = None, host_kv_bytes: int | None = None,
                   kv_store_secret: bytes | None = None, warm_up: bool = False,
-                  limits: Limits | None = None, kv_role: str | None = None,
+                  limits: Limits | None = None, kv_events: dict | None = None, kv_role: str | None = None,
                   kv_load_timeout_s: float = 1.0) -> ServerContext:
     """Load the model and tokenizer of `checkpoint` (ours or a Hugging Face GPT-2 / Llama directory) and
     put an engine around them, sized by `config` (None: EngineConfig's defaults). `model` may be given to
@@ -49,6 +49,8 @@ def build_context(checkpoint: str | Path, *, config: EngineConfig | None = None,
     whose entries are signed with `kv_store_secret` (shared by the replicas; kv_store_secret_from).
     `warm_up`: run warm_up_engine before returning, so no client pays for compiling. `limits`: what one
     request may cost (body, prompt, constraint sizes, grammar compile time; None: Limits' defaults).
+    `kv_events`: publish the prefix cache's changes for a KV-aware router, with these KVEventPublisher
+    arguments (endpoint=, replay_endpoint=, topic=; engine/kv_events.py).
     `kv_role` ("producer" or "consumer", with `kv_store`): one side of a prefill/decode pair
     (kv_transfer.py); a consumer waits up to `kv_load_timeout_s` for a producer's blocks."""
     from ..engine import LLMEngine
@@ -70,6 +72,10 @@ def build_context(checkpoint: str | Path, *, config: EngineConfig | None = None,
     # the engine adds EOS to each request's stop ids itself (SamplingParams.stops), unless ignore_eos
     engine = LLMEngine(model, config, eos_token_id=codec.eos_token_id, kv_connector=connector,
                        tokenizer=codec.tokenizer)
+    if kv_events is not None:
+        from ..engine.kv_events import KVEventPublisher
+
+        engine.publish_kv_events(KVEventPublisher(block_size=config.block_size, **kv_events))
     if warm_up:
         warm_up_engine(engine)
     stats = engine.stats()

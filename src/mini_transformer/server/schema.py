@@ -135,6 +135,12 @@ class Health(BaseModel):
     status: str
 
 
+class Load(BaseModel):
+    """What a router's load-aware policies poll (SGLang's /get_load shape, as vllm-router reads it)."""
+
+    load: int  # requests in flight: submitted and not yet ended
+
+
 class EngineState(BaseModel):
     """Queues, block tables and the pool (see state.py); the live page reads it."""
 
@@ -179,6 +185,7 @@ _ERRORS = {400: "a parameter is missing, malformed or outside its range (`param`
 _ROUTES: dict[str, tuple[type[BaseModel], str | None, tuple[int, ...]]] = {
     # name: (200 body, another 200 content type, error statuses)
     "health": (Health, None, ()),
+    "load": (Load, None, ()),
     "metrics": (None, METRICS_CONTENT, ()),
     "models": (ModelList, None, (401,)),
     "model": (ModelCard, None, (401, 404)),
