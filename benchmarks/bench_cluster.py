@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
 import json
-import os
 import random
-import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,11 +40,11 @@ from _common import load_average, table
 from tqdm import tqdm
 
 from mini_transformer import TransformerConfig, TransformerLM
+from mini_transformer.cli.cluster_command import Cluster
 from mini_transformer.tokenizer import CharTokenizer
 
 CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;!?'-\n"
 WORKLOADS = ("tenants", "scale", "pd", "kill")
-START_TIMEOUT_S = 300  # a bound for a server to load on a busy machine, not an expectation
 
 
 def parse_args(argv=None):
@@ -60,102 +59,37 @@ def parse_args(argv=None):
     p.add_argument("--scale-requests", type=int, default=32)
     p.add_argument("--long-len", type=int, default=512, help="tokens of each long prompt (pd)")
     p.add_argument("--decode-tokens", type=int, default=64, help="output tokens of each decoding request (pd)")
+    p.add_argument("--long-every", type=float, default=1.0, help="seconds between long prompts (pd)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (closed loop)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", metavar="PNG", help="one panel per workload")
     args = p.parse_args(argv)
     if args.quick:
         args.n_layer, args.d_model, args.system_len, args.long_len = 4, 256, 256, 256
-        args.tenant_requests, args.scale_requests, args.decode_tokens = 24, 12, 32
+        args.tenant_requests, args.scale_requests, args.decode_tokens, args.long_every = 24, 12, 32, 0.5
     return args
 
 
 # ------------------------------------------------------------------------------------- processes
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(check, what: str, proc=None, timeout: float = START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if check():
-                return
-        except (httpx.HTTPError, OSError):
-            pass
-        if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
-            raise SystemExit(f"{what} did not start")
-        time.sleep(0.2)
+@contextlib.contextmanager
+def cluster(checkpoint: Path, args, **options):
+    """The pieces `mini-transformer cluster` starts (redis-server, servers, vllm-router), started quietly,
+    warmed up with one request through the router, stopped when the block ends."""
+    pieces = Cluster(str(checkpoint), model_name="bench", block_size=args.block_size, **options)
+    with contextlib.redirect_stdout(io.StringIO()):
+        pieces.start(say=lambda line: None)
+    try:
+        httpx.post(pieces.router_url + "/v1/completions", json={"model": "bench", "prompt": "warm", "max_tokens": 1},
+                   timeout=300).raise_for_status()
+        yield pieces
+    finally:
+        pieces.stop()
 
 
-@dataclass
-class Cluster:
-    """The processes of one configuration (redis-server, servers, vllm-router), all stopped by close()."""
-
-    checkpoint: Path
-    args: argparse.Namespace
-    procs: list = field(default_factory=list)
-    servers: list = field(default_factory=list)  # (process, url)
-
-    def redis(self, directory: str) -> str:
-        port = free_port()
-        self.procs.append(subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port),
-                                            "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir",
-                                            directory], stdout=subprocess.DEVNULL))
-        import redis
-
-        wait_until(lambda: redis.Redis(port=port, socket_timeout=1).ping(), "redis-server", self.procs[-1])
-        return f"redis://127.0.0.1:{port}"
-
-    def server(self, *flags: str) -> str:
-        port = free_port()
-        cmd = [sys.executable, "-m", "mini_transformer.cli", "serve", "--checkpoint", str(self.checkpoint),
-               "--port", str(port), "--model-name", "bench", "--block-size", str(self.args.block_size),
-               "--log-level", "warning", *flags]
-        proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}"
-        self.procs.append(proc)
-        self.servers.append((proc, url))
-        return url
-
-    def router(self, *flags: str) -> str:
-        port = free_port()
-        binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
-        self.procs.append(subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port",
-                                            str(free_port()), "--log-level", "error", "--worker-startup-check-interval",
-                                            "1", "--health-check-interval-secs", "1", *flags],
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        for proc, url in self.servers:
-            wait_until(lambda u=url: httpx.get(u + "/health", timeout=2).status_code == 200, url, proc)
-        url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: httpx.post(url + "/v1/completions", timeout=60, json={
-            "model": "bench", "prompt": "warm", "max_tokens": 1}).status_code == 200, "vllm-router", self.procs[-1])
-        return url
-
-    def prompt_tokens_computed(self) -> int:
-        return sum(httpx.get(u + "/v1/engine/state", timeout=10).json()["stats"]["prefill_tokens_computed"]
-                   for p, u in self.servers if p.poll() is None)
-
-    def close(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def serve_supports(flag: str) -> bool:
-    out = subprocess.run([sys.executable, "-m", "mini_transformer.cli", "serve", "--help"], capture_output=True,
-                         text=True, timeout=120).stdout
-    return flag in out
+def prompt_tokens_computed(pieces: Cluster) -> int:
+    """Across the servers still running: prompt tokens each engine computed (not loaded, not cached)."""
+    return sum(httpx.get(p.url + "/v1/engine/state", timeout=10).json()["stats"]["prefill_tokens_computed"]
+               for p in pieces.servers if p.proc.poll() is None)
 
 
 # -------------------------------------------------------------------------------------- requests
@@ -232,35 +166,16 @@ def tokens_per_s(results: list[Result]) -> float:
 
 
 # ------------------------------------------------------------------------------------- workloads
-def tenants(args, checkpoint: Path, tmp: str) -> list[dict]:
+def tenants(args, checkpoint: Path) -> list[dict]:
     rng = random.Random(args.seed)
     systems = [text(rng, args.system_len) for _ in range(8)]
     jobs = [(rng.choice(systems) + text(rng, 16), 8) for _ in range(args.tenant_requests)]
-    policies = ["round_robin", "round_robin+redis", "cache_aware", "kv_aware"]
-    events = serve_supports("--kv-events-endpoint")
     rows = []
-    for policy in policies:
-        if policy == "kv_aware" and not events:
-            print("kv_aware: skipped, this `serve` publishes no KV events (--kv-events-endpoint)")
-            continue
-        cluster = Cluster(checkpoint, args)
-        try:
-            flags, router_flags = [], ["--policy", policy.split("+")[0]]
-            if policy.endswith("redis"):
-                flags = ["--kv-store", cluster.redis(tmp)]
-            urls = []
-            for _ in range(2):
-                endpoint = f"tcp://127.0.0.1:{free_port()}"
-                urls.append(cluster.server(*flags, *(["--kv-events-endpoint", endpoint] if policy == "kv_aware"
-                                                    else [])))
-                if policy == "kv_aware":
-                    router_flags += ["--kv-event-source", f"{urls[-1]}={endpoint}"]
-            router = cluster.router("--worker-urls", *urls, *router_flags)
-            before = cluster.prompt_tokens_computed()
-            results = asyncio.run(closed_loop(router, jobs, args.concurrency, policy))
-            computed = cluster.prompt_tokens_computed() - before
-        finally:
-            cluster.close()
+    for policy in ("round_robin", "round_robin+redis", "cache_aware", "kv_aware"):
+        with cluster(checkpoint, args, replicas=2, policy=policy.split("+")[0], redis=policy.endswith("redis")) as c:
+            before = prompt_tokens_computed(c)
+            results = asyncio.run(closed_loop(c.router_url, jobs, args.concurrency, policy))
+            computed = prompt_tokens_computed(c) - before
         rows.append(dict(policy=policy, computed=computed, failed=sum(not r.ok for r in results),
                          tok_s=tokens_per_s(results), texts=[r.text for r in results]))
     for row in rows:
@@ -269,64 +184,56 @@ def tenants(args, checkpoint: Path, tmp: str) -> list[dict]:
     return rows
 
 
-def scale(args, checkpoint: Path, tmp: str) -> list[dict]:
+def scale(args, checkpoint: Path) -> list[dict]:
     rng = random.Random(args.seed + 1)
     jobs = [(text(rng, 64), 64) for _ in range(args.scale_requests)]
     rows = []
     for replicas in (1, 2):
-        cluster = Cluster(checkpoint, args)
-        try:
-            urls = [cluster.server() for _ in range(replicas)]
-            router = cluster.router("--worker-urls", *urls, "--policy", "round_robin")
-            results = asyncio.run(closed_loop(router, jobs, 2 * args.concurrency, f"{replicas} replica(s)"))
-        finally:
-            cluster.close()
+        with cluster(checkpoint, args, replicas=replicas, policy="round_robin") as c:
+            results = asyncio.run(closed_loop(c.router_url, jobs, 2 * args.concurrency, f"{replicas} replica(s)"))
         rows.append(dict(setup=f"{replicas} replica" + "s" * (replicas > 1), tok_s=tokens_per_s(results),
                          failed=sum(not r.ok for r in results)))
     return rows
 
 
 async def pd_load(url: str, args, decode_jobs, long_prompts) -> tuple[list[Result], int]:
-    """Decoding requests streamed `args.concurrency` at a time while one long prompt after another is sent."""
-    finished = asyncio.Event()
+    """Decoding requests streamed `args.concurrency` at a time while a long prompt arrives every
+    `args.long_every` seconds (open loop: the same arrivals whatever the servers do with them)."""
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        longs: list[asyncio.Task] = []
 
-    async def longs():
-        sent = 0
-        async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-            while not finished.is_set() and sent < len(long_prompts):
-                await complete(client, long_prompts[sent], 2, False)
-                sent += 1
-        return sent
+        async def arrivals():
+            for prompt in long_prompts:
+                longs.append(asyncio.create_task(complete(client, prompt, 2, False)))
+                await asyncio.sleep(args.long_every)
 
-    task = asyncio.create_task(longs())
-    results = await closed_loop(url, decode_jobs, args.concurrency, "decoding", stream=True)
-    finished.set()
-    return results, await task
+        task = asyncio.create_task(arrivals())
+        results = await closed_loop(url, decode_jobs, args.concurrency, "decoding", stream=True)
+        task.cancel()
+        for long in longs:  # the ones still running are abandoned: the servers abort them
+            long.cancel()
+        await asyncio.gather(task, *longs, return_exceptions=True)
+    return results, len(longs)
 
 
-def pd(args, checkpoint: Path, tmp: str) -> list[dict]:
+def pd(args, checkpoint: Path) -> list[dict]:
     rng = random.Random(args.seed + 2)
     decode_jobs = [(text(rng, 32), args.decode_tokens) for _ in range(2 * args.concurrency)]
     long_prompts = [text(rng, args.long_len) for _ in range(200)]
     rows = []
-    for setup in ("2 colocated", "PD 1:1"):
-        cluster = Cluster(checkpoint, args)
-        try:
-            if setup == "PD 1:1":
-                store = cluster.redis(tmp)
-                p = cluster.server("--kv-store", store, "--kv-role", "producer")
-                d = cluster.server("--kv-store", store, "--kv-role", "consumer")
-                router = cluster.router("--vllm-pd-disaggregation", "--prefill", p, "--decode", d,
-                                        "--policy", "round_robin")
-            else:
-                router = cluster.router("--worker-urls", cluster.server(), cluster.server(), "--policy", "round_robin")
-            first = httpx.get(cluster.servers[-1][1] + "/v1/engine/state", timeout=10).json()["stats"]
-            results, longs = asyncio.run(pd_load(router, args, decode_jobs, long_prompts))
-            last = httpx.get(cluster.servers[-1][1] + "/v1/engine/state", timeout=10).json()["stats"]
-        finally:
-            cluster.close()
+    for setup, options in (("2 colocated", dict(replicas=2)), ("PD 1:1", dict(pd=(1, 1), redis=True))):
+        with cluster(checkpoint, args, policy="round_robin", **options) as c:
+            decoder = c.servers[-1].url  # the decode server of the pair
+
+            def stats(url=decoder):
+                return httpx.get(url + "/v1/engine/state", timeout=10).json()["stats"]
+
+            first = stats()
+            results, longs = asyncio.run(pd_load(c.router_url, args, decode_jobs, long_prompts))
+            last = stats()
         gaps = sorted(g for r in results for g in r.gaps)
-        per_prompt = (last["prefill_tokens_computed"] - first["prefill_tokens_computed"]) / (len(results) + longs)
+        served = sum(last[k] - first[k] for k in ("requests_finished", "requests_aborted"))
+        per_prompt = (last["prefill_tokens_computed"] - first["prefill_tokens_computed"]) / served
         rows.append(dict(setup=setup, tpot_p50_ms=1e3 * statistics.median(gaps),
                          tpot_p99_ms=1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], long_prompts=longs,
                          decode_computed=round(per_prompt, 1), failed=sum(not r.ok for r in results),
@@ -335,31 +242,28 @@ def pd(args, checkpoint: Path, tmp: str) -> list[dict]:
     return rows
 
 
-def kill(args, checkpoint: Path, tmp: str) -> list[dict]:
+def kill(args, checkpoint: Path) -> list[dict]:
     rng = random.Random(args.seed + 3)
     jobs = [(text(rng, 48), 16) for _ in range(6 * args.concurrency)]
-    cluster, killed_at = Cluster(checkpoint, args), []
-    try:
-        urls = [cluster.server(), cluster.server()]
-        router = cluster.router("--worker-urls", *urls, "--policy", "round_robin")
-        victim = cluster.servers[1][0]
+    killed_at = []
+    with cluster(checkpoint, args, replicas=2, policy="round_robin") as c:
+        urls, victim = [p.url for p in c.servers], c.servers[1].proc
 
         def on_result(results):
             if not killed_at and sum(r is not None for r in results) >= len(results) // 3:
                 victim.send_signal(signal.SIGKILL)
                 killed_at.append(time.perf_counter())
 
-        results = asyncio.run(closed_loop(router, jobs, args.concurrency, "kill", on_result=on_result))
-        time.sleep(3)  # a few of the router's health checks (one a second)
-        healthy = {w["url"]: w["is_healthy"] for w in httpx.get(router + "/workers", timeout=10).json()["workers"]}
+        results = asyncio.run(closed_loop(c.router_url, jobs, args.concurrency, "kill", on_result=on_result))
+        time.sleep(5)  # a few of the router's health checks
+        workers = httpx.get(c.router_url + "/workers", timeout=10).json()["workers"]
+        healthy = {w["url"]: w["is_healthy"] for w in workers}
         answers = {}
         for url in urls:  # what each replica's own /metrics says: the killed one does not answer at all
             try:
                 answers[url] = httpx.get(url + "/metrics", timeout=2).status_code == 200
             except httpx.TransportError:
                 answers[url] = False
-    finally:
-        cluster.close()
     t = killed_at[0]
     in_flight = [r for r in results if r.sent < t < r.done]
     after = [r for r in results if r.sent >= t]
@@ -384,7 +288,7 @@ COLUMNS = {
                  "tok_s": "output tok/s", "failed": "failed", "same_text": "same text"}, ("tok_s", "round_robin")),
     "scale": ({"setup": "setup", "tok_s": "output tok/s", "failed": "failed"}, ("tok_s", "1 replica")),
     "pd": ({"setup": "setup", "tpot_p50_ms": "TPOT p50 ms", "tpot_p99_ms": "TPOT p99 ms",
-            "long_prompts": "long prompts", "decode_computed": "decode server tokens computed / prompt",
+            "long_prompts": "long prompts sent", "decode_computed": "decode server: prompt tokens computed / request",
             "failed": "failed", "same_text": "same text"}, ("tpot_p99_ms", "2 colocated")),
     "kill": ({"requests": "requests", "sent": "sent", "failed": "failed", "router_healthy": "router: healthy",
               "metrics_answer": "/metrics answers"}, None),
@@ -398,7 +302,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         make_checkpoint(Path(tmp) / "ckpt", args)
         for name in args.workloads:
-            results[name] = globals()[name](args, Path(tmp) / "ckpt", tmp)
+            results[name] = globals()[name](args, Path(tmp) / "ckpt")
     print(f"\n{args.n_layer}x{args.d_model} model, block {args.block_size}, 1 thread per server, {load_average()}")
     for name, rows in results.items():
         columns, ratio = COLUMNS[name]

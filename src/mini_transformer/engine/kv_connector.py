@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from dataclasses import asdict, dataclass, field
 
@@ -207,12 +208,12 @@ class KVConnector:
         later saves do not extend the wait."""
         if self._writer is None:
             return True
-        reached = threading.Event()
+        reached, deadline = threading.Event(), time.monotonic() + timeout
         try:
             self._queue.put(reached, timeout=timeout)
         except queue.Full:
             return False
-        return reached.wait(timeout)
+        return reached.wait(max(0.0, deadline - time.monotonic()))
 
     def stored_run(self, token_ids: list[int], num_blocks: int) -> int:
         """How many of the first num_blocks full blocks of `token_ids` some tier holds, as one unbroken run
