@@ -5,16 +5,18 @@ random weights over a character vocabulary (one token per character), so prompts
   tenants  8 shared system prompts, requests in random order with short tails and outputs, a few at a
            time: prompt tokens computed across 2 replicas and output tokens/s for round_robin,
            round_robin with a shared Redis KV store, cache_aware (the router guesses from request text)
-           and kv_aware (the router follows the replicas' KV events, where `serve` publishes them)
+           and kv_aware (the router follows the KV events the replicas publish: it learns of a prefix
+           only once a replica has computed it)
   scale    no sharing: 2 replicas against 1 behind the same router, output tokens/s
-  pd       requests decoding while long prompts keep arriving: time per output token (p50/p99 of the
+  pd       requests decoding while long prompts arrive at a fixed rate (--long-every, the same offered
+           load for both setups): time per output token (p50/p99 of the
            streamed tokens' gaps) with 1 prefill + 1 decode server (`--kv-role`, vllm-router
            --vllm-pd-disaggregation, KV through Redis) against 2 colocated replicas; the greedy texts of
            both must be equal, and the decode server computes at most one block of each prompt
   kill     a replica killed (SIGKILL) while requests flow: failures among those in flight then, and among
            those sent after; the router's health view of the killed worker
 
-    python benchmarks/bench_cluster.py --quick          # a few minutes on 2 cores
+    python benchmarks/bench_cluster.py --quick          # minutes: most of it is starting servers
     python benchmarks/bench_cluster.py --workloads pd kill --plot cluster.png
 """
 
