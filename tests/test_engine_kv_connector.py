@@ -272,3 +272,22 @@ def test_signed_entries_through_redis(model, expected, empty_redis):
     assert engine.generate(prompts, PARAMS, use_tqdm=False) == expected
     stats = engine.stats()
     assert stats["kv_store_verify_failures"] >= 1 and stats["kv_store_hit_blocks"] == 0
+
+
+# ------------------------------------------------------------- prefill/decode across servers
+@pytest.mark.parametrize("tier", ["host", "redis"])
+def test_wait_saved_then_stored_run_sees_every_full_block(tier, empty_redis):
+    """wait_saved returns once the writer has written every queued block; stored_run then counts the
+    prompt's full blocks in the tier (an unbroken run from the start; a prompt never saved has none)."""
+    block_size, prompt = 4, prompts_and_fillers()[0][1]  # 43 tokens: 10 full blocks
+    tiers = [HostTier(1 << 22)] if tier == "host" else [RedisTier(empty_redis.url)]
+    connector = KVConnector(tiers)
+    engine = LLMEngine(make_model("llama"), EngineConfig(block_size=block_size, num_blocks=64),
+                       kv_connector=connector)
+    engine.generate([prompt], PARAMS, use_tqdm=False)
+    assert connector.wait_saved(timeout=30)
+    assert connector.counters.blocks_saved >= len(prompt) // block_size
+    assert connector.stored_run(prompt, 10) == 10
+    assert connector.stored_run(prompt[:20] + [(prompt[20] + 1) % 50] + prompt[21:], 10) == 5  # block 5 differs
+    assert connector.stored_run([(t + 1) % 50 for t in prompt], 10) == 0
+    assert tiers[0].has_many([b"no such key"]) == [False]

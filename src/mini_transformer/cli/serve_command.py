@@ -36,6 +36,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--kv-events-replay-endpoint", metavar="URL", help="also answer requests for missed event "
                    "batches on a ZeroMQ ROUTER socket bound here (vllm-router --kv-event-replay-source)")
     p.add_argument("--kv-events-topic", default="", help="the topic frame of each event message (default empty)")
+    _add_kv_role_options(p)
     p.add_argument("--device", default="cpu")
     add_model_options(p)
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false", help="skip the dummy requests "
@@ -43,6 +44,15 @@ def _add_serve(sub) -> None:
     _add_limit_options(p)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=_run_serve)
+
+
+def _add_kv_role_options(p) -> None:
+    """One side of prefill/decode disaggregation behind `vllm-router --vllm-pd-disaggregation`
+    (server/kv_transfer.py); the KV moves through --kv-store."""
+    p.add_argument("--kv-role", choices=("producer", "consumer"), help="producer: a prefill server, answers "
+                   "once the prompt's KV blocks are in --kv-store; consumer: a decode server, loads them from there")
+    p.add_argument("--kv-load-timeout", type=float, default=1.0, metavar="SECONDS", help="how long a consumer "
+                   "waits for a producer's blocks still in flight before it recomputes them")
 
 
 def _add_limit_options(p) -> None:
@@ -94,7 +104,8 @@ def _run_serve(args) -> None:
     ctx = build_context(args.checkpoint, config=config, model=model, model_name=args.model_name,
                         api_key=api_key, max_waiting=args.max_waiting, device=args.device, kv_store=args.kv_store,
                         host_kv_bytes=args.host_kv_bytes, kv_store_secret=kv_store_secret, warm_up=args.warm_up,
-                        limits=_limits(args), kv_events=_kv_events(args))
+                        limits=_limits(args), kv_events=_kv_events(args), kv_role=args.kv_role,
+                        kv_load_timeout_s=args.kv_load_timeout)
     print(f"serving {ctx.model_name!r} on http://{args.host}:{args.port} (live page at /, API under /v1)",
           flush=True)
     serve(ctx, host=args.host, port=args.port, log_level=args.log_level, host_names=tuple(args.allowed_hosts))

@@ -12,6 +12,10 @@ back to any engine serving the same model:
     save(scheduled)          after a forward pass: every block it completed is copied off the pool, and
                              a writer thread encodes it and writes it to the tiers (write-behind: the
                              step does not wait for Redis; an entry appears whole or not at all)
+    wait_saved(timeout)      any thread: wait until every save queued so far has reached the tiers (a
+                             prefill server answers only then: server/kv_transfer.py)
+    stored_run(ids, n)       any thread: how many of the first n full blocks of a prompt the tiers
+                             hold now, unchecked (a decode server waits for blocks still in flight)
 
 The key of block i is the model's FINGERPRINT (config, dtype, block size, a digest of the weights) and
 a chain hash, key_i = H(key_{i-1}, tokens of block i), the same chain as the block manager's but with a
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from dataclasses import asdict, dataclass, field
 
@@ -197,6 +202,28 @@ class KVConnector:
             else:
                 self._write(key, token_ids, kv, done)
 
+    def wait_saved(self, timeout: float) -> bool:
+        """Block until the writer has written every save queued before this call (False: still busy after
+        `timeout` seconds). A marker goes through the same FIFO queue as the blocks, so other requests'
+        later saves do not extend the wait."""
+        if self._writer is None:
+            return True
+        reached, deadline = threading.Event(), time.monotonic() + timeout
+        try:
+            self._queue.put(reached, timeout=timeout)
+        except queue.Full:
+            return False
+        return reached.wait(max(0.0, deadline - time.monotonic()))
+
+    def stored_run(self, token_ids: list[int], num_blocks: int) -> int:
+        """How many of the first num_blocks full blocks of `token_ids` some tier holds, as one unbroken run
+        from the start. Only presence: lookup() still checks each value before it is used."""
+        keys = [self._prefix + d for d in extend_chain([], token_ids, self.block_size, num_blocks)]
+        present = [False] * len(keys)
+        for tier in self.tiers:
+            present = [p or h for p, h in zip(present, tier.has_many(keys), strict=True)]
+        return present.index(False) if False in present else len(present)
+
     def _copy_off(self, kv: torch.Tensor) -> torch.Tensor:
         if kv.device.type == "cpu":
             return kv.clone()
@@ -209,6 +236,9 @@ class KVConnector:
             try:
                 if item is None:
                     return
+                if isinstance(item, threading.Event):  # wait_saved's marker: everything before it is written
+                    item.set()
+                    continue
                 self._write(*item)
             finally:
                 self._queue.task_done()

@@ -54,6 +54,11 @@ class HostTier:
                     self._entries.move_to_end(key)  # recently used: evicted last
         return values
 
+    def has_many(self, keys: list[bytes]) -> list[bool]:
+        """Which keys are here, without reading the values or touching the LRU order."""
+        with self._lock:
+            return [key in self._entries for key in keys]
+
     def put(self, key: bytes, value: bytes) -> bool:
         if len(value) > self.capacity_bytes:
             return False
@@ -134,6 +139,19 @@ class RedisTier:
             return []
         values = self._call(lambda: self._client.mget(keys), None)
         return [None] * len(keys) if values is None else values
+
+    def has_many(self, keys: list[bytes]) -> list[bool]:
+        """Which keys are here (one round trip of EXISTS, no values moved); all False while down."""
+        if not keys:
+            return []
+
+        def exists():
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            return [bool(n) for n in pipe.execute()]
+
+        return self._call(exists, None) or [False] * len(keys)
 
     def put(self, key: bytes, value: bytes) -> bool:
         return bool(self._call(lambda: self._client.set(key, value, px=self.ttl_ms), False))

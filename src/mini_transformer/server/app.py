@@ -35,6 +35,7 @@ from .access import LOCAL_HOSTS, HostCheck, key_check
 from .engine_loop import EngineLoop
 from .errors import install_error_handlers
 from .generation import ClientGone, Generation, Options
+from .kv_transfer import KVTransfer
 from .limits import BodyLimit, Limits, Workers, check_prompt_bytes
 from .logprobs import CompletionLogprobs, chat_logprobs, prompt_logprobs_json, scored
 from .metrics import ServerMetrics
@@ -63,6 +64,7 @@ class ServerContext:
     allowed_hosts: frozenset[str] = LOCAL_HOSTS  # Host header names answered, without the port, lower case
     limits: Limits = Limits()
     workers: Workers | None = None  # made by create_app: the pools for tokenising and compiling
+    kv_transfer: KVTransfer | None = None  # a prefill or decode server of a disaggregated pair
 
 
 def sse(payload: dict | str) -> str:
@@ -250,6 +252,8 @@ def _completion_prompts(ctx: ServerContext, prompt) -> list[list[int]]:
 
 
 async def _respond(gen: Generation, body, request: Request, ctx: ServerContext, chat: bool):
+    if ctx.kv_transfer is not None:  # a decode server: the prefill server's blocks first (bounded wait)
+        await ctx.kv_transfer.before_start(body, gen.prompts)
     try:
         await gen.start(request.is_disconnected)
     except ClientGone:
@@ -273,12 +277,15 @@ async def _respond(gen: Generation, body, request: Request, ctx: ServerContext, 
                     for c in choices]
         texts = [(c.out, c.finish_reason) for c in choices]
         if chat:
-            return JSONResponse(P.chat_response(rid, ctx.model_name, texts, logprobs, use), headers=echo)
-        prompt_logprobs = None if body.prompt_logprobs is None else [
-            prompt_logprobs_json(scored(c.prompt, c.prompt_entries), body.prompt_logprobs, ctx.codec.token_text)
-            for c in choices]
-        return JSONResponse(P.completion_response(rid, ctx.model_name, texts, logprobs, use, prompt_logprobs),
-                            headers=echo)
+            response = P.chat_response(rid, ctx.model_name, texts, logprobs, use)
+        else:
+            prompt_logprobs = None if body.prompt_logprobs is None else [
+                prompt_logprobs_json(scored(c.prompt, c.prompt_entries), body.prompt_logprobs, ctx.codec.token_text)
+                for c in choices]
+            response = P.completion_response(rid, ctx.model_name, texts, logprobs, use, prompt_logprobs)
+        if ctx.kv_transfer is not None and (transfer := await ctx.kv_transfer.after_finish()) is not None:
+            response["kv_transfer_params"] = transfer  # a prefill server: its blocks are in the store now
+        return JSONResponse(response, headers=echo)
     return ClosingStreamingResponse(_stream(gen, body, rid, ctx, chat), on_close=gen.close,
                                     media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **echo})
@@ -329,6 +336,8 @@ async def _stream(gen: Generation, body, rid: str, ctx: ServerContext, chat: boo
                 yield chunk(event.index, event.text, None, event.tokens)
             if event.finish_reason is not None:
                 yield chunk(event.index, None, event.finish_reason)
+        if ctx.kv_transfer is not None:  # a prefill server answers once its blocks are in the store
+            await ctx.kv_transfer.after_finish()
         if with_usage:
             yield sse(P.usage_chunk(rid, obj, model, created, P.usage(gen.prompt_tokens, gen.completion_tokens)))
     except ErrorResponse as err:  # the headers are gone already: the error travels as an event

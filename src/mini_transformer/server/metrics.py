@@ -19,6 +19,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)  # tokens, vLLM's 1-2-5
 FINISH_REASONS = ("stop", "length", "abort", "error")
+KV_TRANSFER_OUTCOMES = ("saved", "save_timed_out", "loaded", "timed_out")
 
 
 class ServerMetrics:
@@ -92,6 +93,12 @@ class ServerMetrics:
         # KV events for a router (engine/kv_events.py); all zero without --kv-events-endpoint
         self.kv_event_batches = Gauge(f"{OURS}kv_event_batches", "KV event batches published, or dropped "
                                       "because the publisher's queue was full", ["state"], registry=r)
+        # prefill/decode across servers (server/kv_transfer.py): the producer's saves, the consumer's waits
+        self.kv_transfer_waits = Counter(f"{OURS}kv_transfer_waits", "Prefill/decode hand-overs through the KV "
+                                         "store, by outcome: saved, save_timed_out (producer); loaded, timed_out "
+                                         "(consumer)", ["outcome"], registry=r)
+        for outcome in KV_TRANSFER_OUTCOMES:  # each at 0 from the start
+            self.kv_transfer_waits.labels(outcome)
 
     def finished(self, reason: str):
         """The request_success counter of one finish reason."""

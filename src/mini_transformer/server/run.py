@@ -21,6 +21,8 @@ from ..tokenizer import check_vocab_size
 from .access import allowed_hosts
 from .app import ServerContext, create_app
 from .engine_loop import EngineLoop
+from .kv_transfer import ROLES as KV_ROLES
+from .kv_transfer import KVTransfer
 from .limits import Limits
 from .metrics import ServerMetrics
 from .text import TextCodec
@@ -38,7 +40,8 @@ def build_context(checkpoint: str | Path, *, config: EngineConfig | None = None,
                   api_key: str | None = None, max_waiting: int = 256, device: str = "cpu", model=None,
                   kv_store: str | None = None, host_kv_bytes: int | None = None,
                   kv_store_secret: bytes | None = None, warm_up: bool = False,
-                  limits: Limits | None = None, kv_events: dict | None = None) -> ServerContext:
+                  limits: Limits | None = None, kv_events: dict | None = None, kv_role: str | None = None,
+                  kv_load_timeout_s: float = 1.0) -> ServerContext:
     """Load the model and tokenizer of `checkpoint` (ours or a Hugging Face GPT-2 / Llama directory) and
     put an engine around them, sized by `config` (None: EngineConfig's defaults). `model` may be given to
     serve a model already in memory. `kv_store`
@@ -47,11 +50,17 @@ def build_context(checkpoint: str | Path, *, config: EngineConfig | None = None,
     `warm_up`: run warm_up_engine before returning, so no client pays for compiling. `limits`: what one
     request may cost (body, prompt, constraint sizes, grammar compile time; None: Limits' defaults).
     `kv_events`: publish the prefix cache's changes for a KV-aware router, with these KVEventPublisher
-    arguments (endpoint=, replay_endpoint=, topic=; engine/kv_events.py)."""
+    arguments (endpoint=, replay_endpoint=, topic=; engine/kv_events.py).
+    `kv_role` ("producer" or "consumer", with `kv_store`): one side of a prefill/decode pair
+    (kv_transfer.py); a consumer waits up to `kv_load_timeout_s` for a producer's blocks."""
     from ..engine import LLMEngine
 
     non_negative_int("max_waiting", max_waiting)  # EngineConfig checked its own fields
     config = EngineConfig() if config is None else config
+    if kv_role not in (None, *KV_ROLES):
+        raise ValueError(f"kv_role={kv_role!r} must be one of {', '.join(KV_ROLES)}")
+    if kv_role is not None and kv_store is None:
+        raise ValueError(f"kv_role={kv_role!r} needs a kv_store (--kv-store redis://...): the KV moves through it")
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty; give a key, or none to serve without one")
     checkpoint = resolve_checkpoint_dir(checkpoint)  # `best` is found even in the middle of a save
@@ -72,11 +81,13 @@ def build_context(checkpoint: str | Path, *, config: EngineConfig | None = None,
     stats = engine.stats()
     model_name = model_name or Path(checkpoint).resolve().name
     metrics = ServerMetrics(model_name)
+    transfer = None if kv_role is None else KVTransfer(kv_role, connector, metrics, kv_load_timeout_s)
     return ServerContext(
         engine_loop=EngineLoop(engine, metrics, max_waiting=max_waiting),
         codec=codec, metrics=metrics, model_name=model_name,
         max_model_len=model.config.max_seq_len, pool_tokens=stats["num_blocks"] * config.block_size,
         vocab_size=model.config.vocab_size, api_key=api_key, limits=Limits() if limits is None else limits,
+        kv_transfer=transfer,
     )
 
 

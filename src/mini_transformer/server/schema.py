@@ -77,6 +77,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill server's (--kv-role producer) answer
 
 
 class ChatTopLogprob(BaseModel):
@@ -114,6 +115,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill server's (--kv-role producer) answer
 
 
 class ModelCard(BaseModel):
