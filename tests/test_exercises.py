@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from exercise_solutions.broken import BROKEN
+from exercise_solutions.broken_cluster import BROKEN_CLUSTER
 from exercise_solutions.broken_engine import BROKEN_ENGINE
 from exercise_solutions.broken_kv_store import BROKEN_KV_STORE
 from exercise_solutions.broken_stages import BROKEN_STAGES
@@ -66,8 +67,8 @@ def test_grader_fails_on_the_blank(name, tmp_path):
             check(blank)
 
 
-# apart: docs/07, 08, 10 (stages), docs/06 (engine), docs/11 (kv store), docs/12 (structured)
-BROKEN = {**BROKEN, **BROKEN_STAGES, **BROKEN_ENGINE, **BROKEN_KV_STORE, **BROKEN_STRUCTURED}
+# apart: docs/07, 08, 10 (stages), docs/06 (engine), docs/11 (kv store), docs/12 (structured), docs/13 (cluster)
+BROKEN = {**BROKEN, **BROKEN_STAGES, **BROKEN_ENGINE, **BROKEN_KV_STORE, **BROKEN_STRUCTURED, **BROKEN_CLUSTER}
 CASES = [(name, label) for name, variants in BROKEN.items() for label in variants]
 
 
