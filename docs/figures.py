@@ -3,13 +3,14 @@ tables measured on the pages (so a figure and its table cannot disagree). Rerun 
 
     apt-get install -y fonts-noto-cjk        # Debian's CJK font; the labels need it
     uv run python docs/figures.py             # every figure
-    uv run python docs/figures.py systems     # only the 06-10 figures (figures_systems.py)
+    uv run python docs/figures.py systems     # only the 06-13 figures (figures_systems.py, figures_cluster.py)
 
 Concept figures: the block with its tensor shapes (01), RoPE turning one pair across positions (02), the
 KV slab with left padding and one decode step (03), the online-softmax rescale across two blocks and the
 tiled schedule of which QK^T blocks are computed, masked or skipped (04); the systems stages' figures
 (06-10: block pool, hash chain, batching timeline, packed step, request path, roofline, speculative step,
-MoE dispatch, tensor parallelism, pipeline bubble, PD flow) are in figures_systems.py.
+MoE dispatch, tensor parallelism, pipeline bubble, PD flow) are in figures_systems.py, and docs/13's replicas
+behind a router and PD across servers in figures_cluster.py.
 
 Fonts: the first CJK font matplotlib can find among CJK_FONTS (`fc-list :lang=zh` lists what is
 installed). With none, the script says how to install one and exits without touching docs/img/, rather
@@ -366,17 +367,19 @@ def redraw_benchmark_figures() -> None:
 
 
 def draw_systems_figures() -> None:
+    import figures_cluster
     import figures_systems
 
     roofline = page_table("08a-static-decode.md", "| 测得的量")
     bandwidth, peak = first_number(roofline[0][1]) * 1e9, first_number(roofline[1][1]) * 1e9
     figures_systems.draw_all(save, (bandwidth, peak), load_benchmark_with_siblings("bench_roofline").step_cost)
+    figures_cluster.cluster(save)
 
 
 if __name__ == "__main__":
     use_cjk_font()
     IMG.mkdir(exist_ok=True)
-    if sys.argv[1:] == ["systems"]:  # only the 06-10 figures
+    if sys.argv[1:] == ["systems"]:  # only the 06-13 figures
         draw_systems_figures()
         sys.exit(0)
     block_shapes()
