@@ -52,9 +52,10 @@ class RadixTree:
             if child is None:
                 break
             shared = _common(rest, child.key)
-            matched, node, rest = matched + shared, child, rest[shared:]
             if shared < len(child.key):  # ends inside this edge: its workers still cover what matched
+                matched, node = matched + shared, child
                 break
+            matched, node, rest = matched + shared, child, rest[shared:]
         return (matched, set(node.workers)) if matched else (0, set())
 
     def nodes(self) -> int:
