@@ -216,6 +216,9 @@ def describe(name: str, body: tuple[type[BaseModel], ...] = ()) -> dict:
     for status in sorted({*errors, *_ANY_ROUTE}):
         described = _ERRORS[status] if status in errors else _ANY_ROUTE[status]
         responses[status] = {"model": ErrorBody, "description": described}
+        if model is None:  # FastAPI would file the error under the route's own media type; it is JSON
+            ref = {"$ref": _REF.format(model=ErrorBody.__name__)}
+            responses[status] = {"description": described, "content": {"application/json": {"schema": ref}}}
     if 429 in errors:
         responses[429]["headers"] = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}
     kwargs: dict = {"responses": responses}
