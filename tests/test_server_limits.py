@@ -5,16 +5,20 @@ Reference for the nesting depth: a plain recursive count. The timing bound on /h
 the machine may be loaded); the point is that it answers while the heavy request is in flight.
 """
 
+import gc
 import json
 import threading
 import time
+from typing import Annotated
 
 import httpx
 import pytest
+from pydantic import BaseModel, BeforeValidator, TypeAdapter
 from server_support import make_char_checkpoint, running_server, slowed_engine
 
 from mini_transformer.engine import EngineConfig
-from mini_transformer.server.limits import Limits, nesting_depth
+from mini_transformer.server.limits import Limits, nesting_depth, parse_body
+from mini_transformer.server.protocol import ErrorResponse
 
 MODEL = "tiny"
 HEALTH_BOUND_S = 1.0
@@ -183,6 +187,29 @@ def test_a_body_past_the_limit_is_refused_declared_or_chunked(served):
     assert response.status_code == 400 and "--max-body-bytes" in response.json()["error"]["message"]
     good = httpx.post(served.url + "/v1/completions", json=completion(), timeout=60)
     assert good.status_code == 200, good.text
+
+
+def test_the_garbage_collector_is_paused_while_a_body_is_parsed():
+    """Paused during validation (a validator sees it off), restored after, also after a refused body; a
+    collector someone else turned off stays off."""
+    seen = []
+
+    class Probe(BaseModel):
+        x: Annotated[int, BeforeValidator(lambda v: seen.append(gc.isenabled()) or v)]
+
+    adapter = TypeAdapter(Probe)
+    assert gc.isenabled()
+    assert parse_body(adapter, b'{"x": 1}', "application/json").x == 1
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(ErrorResponse):
+        parse_body(adapter, b'{"x": "one"}', None)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        parse_body(adapter, b'{"x": 2}', "application/json")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def _depth(value) -> int:

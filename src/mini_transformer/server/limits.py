@@ -21,7 +21,9 @@ Each limit is a serve option (cli/serve_command.py); docs/07 §3 says why.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -86,6 +88,32 @@ class Workers:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
+class _PausedCollector:
+    """Python's cyclic garbage collector off while any body is parsed. A large body becomes up to a
+    million lists or objects, and while they are made the collector would walk every tracked object of
+    the process several times, each walk holding the GIL (the event loop waits). Paused, nothing walks
+    them; a refused request's objects are freed by reference counting as it ends."""
+
+    def __init__(self):
+        self.lock, self.parsing, self.resume = threading.Lock(), 0, False
+
+    def __enter__(self):
+        with self.lock:
+            if self.parsing == 0:
+                self.resume = gc.isenabled()  # whoever turned it off (a test, an embedder) keeps it off
+                gc.disable()
+            self.parsing += 1
+
+    def __exit__(self, *exc):
+        with self.lock:
+            self.parsing -= 1
+            if self.parsing == 0 and self.resume:
+                gc.enable()
+
+
+PAUSED_COLLECTOR = _PausedCollector()
+
+
 def parse_body(adapter: TypeAdapter, raw: bytes, content_type: str | None):
     """`raw` parsed and validated in one pass (pydantic's JSON parser, whose nesting limit refuses a deep
     body before it recurses); a body sent as another content type than JSON is not read as JSON."""
@@ -94,7 +122,8 @@ def parse_body(adapter: TypeAdapter, raw: bytes, content_type: str | None):
         raise ErrorResponse(400, f"the body must be a JSON object (Content-Type: application/json), got "
                                  f"Content-Type {content_type!r}")
     try:
-        return adapter.validate_json(raw)
+        with PAUSED_COLLECTOR:
+            return adapter.validate_json(raw)
     except ValidationError as err:  # without the inputs: a rejected value may be megabytes, and never read
         raise invalid_request(err.errors(include_url=False, include_input=False)) from None
 
