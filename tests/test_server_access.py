@@ -44,6 +44,10 @@ def test_a_forged_host_header_is_421_on_every_route(checkpoint):
                                             json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
                     assert answer.status_code == 421, (host, path, answer.text)
                     assert answer.json()["error"]["code"] == "misdirected_request"
+            documented = client.get("/openapi.json").json()["paths"]  # the schema says so, on every route
+            for path, operations in documented.items():
+                for method, operation in operations.items():
+                    assert "421" in operation["responses"], (method, path)
             for host in (f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST", f"[::1]:{port}", "llm.internal",
                          f"llm.internal:{port}"):
                 assert client.get("/health", headers={"Host": host}).status_code == 200, host
@@ -72,6 +76,9 @@ def test_with_a_key_metrics_need_it_and_the_page_and_health_stay_open(checkpoint
             assert metrics.status_code == 200 and "mini_transformer_" in metrics.text
             assert client.get("/").status_code == 200 and client.get("/health").status_code == 200
             assert client.get("/v1/engine/state").status_code == 401
+            documented = client.get("/openapi.json").json()["paths"]
+            assert "401" in documented["/metrics"]["get"]["responses"]  # the schema says it too
+            assert "401" not in documented["/health"]["get"]["responses"]
     finally:
         server.stop()
 

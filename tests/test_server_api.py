@@ -131,6 +131,18 @@ def test_lm_eval_rolling_loglikelihood_request(served):
     assert len(logprobs) == len(doc) and math.isclose(sum(logprobs), want, abs_tol=TOL * len(doc))
 
 
+def test_tokenizer_info_gives_what_lm_evals_remote_tokenizer_needs(served):
+    """lm-eval's remote tokenizer reads bos_token and eos_token from /tokenizer_info, encodes each through
+    /tokenize, and starts each rolling window with `bos_id or eos_id`: a character vocabulary's newline
+    has id 0 (falsy), so EOS must be given too, the same newline. Generation still runs past newlines."""
+    info = served.http.get("/tokenizer_info").json()
+    bos_id, eos_id = (served.http.post("/tokenize", json={"prompt": info[name], "add_special_tokens": False})
+                      .json()["tokens"][0] for name in ("bos_token", "eos_token"))
+    assert bos_id == eos_id == served.tokenizer.token_to_id("\n") == 0  # "\n" sorts first in this vocabulary
+    assert (bos_id or eos_id) is not None
+    assert served.ctx.codec.eos_token_id is None
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_generated_logprobs_and_top_alternatives(served, stream):
     tok = served.tokenizer

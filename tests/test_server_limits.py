@@ -5,16 +5,20 @@ Reference for the nesting depth: a plain recursive count. The timing bound on /h
 the machine may be loaded); the point is that it answers while the heavy request is in flight.
 """
 
+import gc
 import json
 import threading
 import time
+from typing import Annotated
 
 import httpx
 import pytest
+from pydantic import BaseModel, BeforeValidator, TypeAdapter
 from server_support import make_char_checkpoint, running_server, slowed_engine
 
 from mini_transformer.engine import EngineConfig
-from mini_transformer.server.limits import Limits, nesting_depth
+from mini_transformer.server.limits import Limits, nesting_depth, parse_body
+from mini_transformer.server.protocol import ErrorResponse
 
 MODEL = "tiny"
 HEALTH_BOUND_S = 1.0
@@ -89,15 +93,56 @@ def test_an_open_stream_keeps_flowing_while_a_heavy_request_is_refused(served):
     assert max(gaps) < HEALTH_BOUND_S, gaps
 
 
-def test_a_schema_nested_deeper_than_the_limit_is_refused(served):
+def nested_schema(depth: int) -> dict:
     schema: dict = {"type": "string"}
-    for _ in range(310):
+    for _ in range(depth):
         schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_a_schema_nested_deeper_than_the_limit_is_refused(served):
+    schema = nested_schema(100)  # past the schema depth limit, within the body parser's
     refused(httpx.post(served.url + "/v1/completions", json=completion(guided_json=schema), timeout=60),
             "guided_json", "--max-schema-depth")
-    as_text = json.dumps(schema)  # the same schema sent as JSON text
+    as_text = json.dumps(nested_schema(310))  # a schema sent as JSON text: its own parse is bounded
     refused(httpx.post(served.url + "/v1/completions", json=completion(guided_json=as_text), timeout=60),
             "guided_json", "--max-schema-depth")
+
+
+def test_a_body_nested_past_the_parser_limit_is_refused(served):
+    response = httpx.post(served.url + "/v1/completions", json=completion(guided_json=nested_schema(310)), timeout=60)
+    assert response.status_code == 400 and "too deeply" in response.json()["error"]["message"], response.text
+    deep = b'{"model": "tiny", "prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    response = httpx.post(served.url + "/v1/completions", content=deep, timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "too deeply" in response.json()["error"]["message"], response.text
+
+
+def test_a_large_body_is_parsed_while_health_answers(served):
+    """A body near the size limit whose validation takes long on one thread (a few million token ids, each
+    checked): parsed on a worker, the event loop answers /health meanwhile; then the 400 names the prompt."""
+    ids = b",".join([b"1"] * (served.ctx.limits.max_body_bytes // 2 - 64))
+    body = b'{"model": "tiny", "max_tokens": 1, "prompt": [' + ids + b"]}"
+    assert len(body) <= served.ctx.limits.max_body_bytes
+    response, times = health_while(served, lambda c: c.post("/v1/completions", content=body,
+                                                            headers={"content-type": "application/json"}))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+    assert len(times) > 1 and max(times) < HEALTH_BOUND_S, times
+
+
+def test_bodies_are_validated_as_before(served):
+    for body, param in (({"model": MODEL, "prompt": "hi", "n": "1"}, "n"), ({"model": MODEL}, "prompt"),
+                        ([1, 2], None)):
+        response = httpx.post(served.url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    response = httpx.post(served.url + "/v1/completions", content=b'{"model": ', timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+    response = httpx.post(served.url + "/v1/completions", content=json.dumps(completion()), timeout=60,
+                          headers={"content-type": "text/plain"})
+    assert response.status_code == 400 and "Content-Type" in response.json()["error"]["message"]
+    response = httpx.post(served.url + "/tokenize", json={"prompt": "hi", "return_token_strs": "yes"}, timeout=60)
+    assert response.status_code == 400, response.text
 
 
 def test_a_large_constraint_is_refused_by_its_size(served):
@@ -142,6 +187,29 @@ def test_a_body_past_the_limit_is_refused_declared_or_chunked(served):
     assert response.status_code == 400 and "--max-body-bytes" in response.json()["error"]["message"]
     good = httpx.post(served.url + "/v1/completions", json=completion(), timeout=60)
     assert good.status_code == 200, good.text
+
+
+def test_the_garbage_collector_is_paused_while_a_body_is_parsed():
+    """Paused during validation (a validator sees it off), restored after, also after a refused body; a
+    collector someone else turned off stays off."""
+    seen = []
+
+    class Probe(BaseModel):
+        x: Annotated[int, BeforeValidator(lambda v: seen.append(gc.isenabled()) or v)]
+
+    adapter = TypeAdapter(Probe)
+    assert gc.isenabled()
+    assert parse_body(adapter, b'{"x": 1}', "application/json").x == 1
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(ErrorResponse):
+        parse_body(adapter, b'{"x": "one"}', None)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        parse_body(adapter, b'{"x": 2}', "application/json")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def _depth(value) -> int:

@@ -57,6 +57,14 @@ def test_plain_template_without_a_chat_template(tmp_path):
     assert rendered == "System: S\nUser: U\nAssistant:"
 
 
+def test_a_character_checkpoint_without_bos_and_eos_in_its_files_still_gives_them(tmp_path):
+    CharTokenizer.train("ab\nc").save(tmp_path)
+    (tmp_path / "generation_config.json").unlink()  # as saved before the files named BOS and EOS
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    codec = TextCodec(tmp_path)
+    assert codec.bos_token == codec.eos_token == "\n" and codec.eos_token_id is None
+
+
 class CharCodec:
     """decode = the characters themselves (one id per character)."""
 

@@ -101,8 +101,31 @@ def test_a_damaged_tokenizer_json_is_named(tmp_path):
 def test_load_tokenizer_takes_the_eos_of_tokenizer_config_even_when_its_id_is_0(tmp_path, eos):
     CharTokenizer.train(TEXT).save(tmp_path)
     assert load_tokenizer(tmp_path).eos_token_id is None
+    (tmp_path / "generation_config.json").unlink()  # a directory that does not say where generation stops
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
     assert load_tokenizer(tmp_path).eos_token_id == 0  # "\n" sorts first
+
+
+def test_generation_config_null_says_generation_stops_at_no_token(tmp_path):
+    CharTokenizer.train(TEXT).save(tmp_path)
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == {"eos_token_id": None}
+    assert load_tokenizer(tmp_path).eos_token_id is None  # though tokenizer_config.json names "\n" as EOS
+    # an id (or a list) there is not read: tokenizer_config.json's EOS is the stop, the newline, id 0
+    for stop in (3, [1, 2]):
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": stop}))
+        assert load_tokenizer(tmp_path).eos_token_id == 0
+
+
+def test_a_character_checkpoint_saved_without_bos_and_eos_still_loads_and_has_them(tmp_path):
+    """Files written before tokenizer_config.json named BOS/EOS: the vocabulary alone gives them."""
+    tokenizer = CharTokenizer.train(TEXT)
+    tokenizer.save(tmp_path)
+    (tmp_path / "generation_config.json").unlink()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    loaded = load_tokenizer(tmp_path)
+    assert loaded.encode(TEXT) == tokenizer.encode(TEXT)
+    assert loaded.decode([loaded.bos_token_id]) == loaded.eos_token == "\n" and loaded.eos_token_id is None
+    assert CharTokenizer.train("abc").eos_token is None  # no newline in the text: no BOS, no EOS
 
 
 def test_load_tokenizer_eos_from_config_for_bpe_and_unknown_names(tmp_path):
@@ -240,6 +263,13 @@ def test_autotokenizer_knows_bos_eos_the_chat_template_and_the_context(tmp_path)
         rendered = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert rendered == TextCodec(path).render_chat(messages) == "System: Be brief.\nUser: Hi there\nAssistant:"
         assert theirs(rendered)["input_ids"] == ours.encode(rendered)  # no BOS added on encoding
-    assert char.decode([char.bos_token_id]) == "\n" and char.eos_token_id is None
-    assert load_tokenizer(tmp_path / "char").eos_token_id is None  # generation still stops at no character
+    # a character vocabulary: the newline starts a text and ends one, in the files as in ours...
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path / "char"))
+    assert theirs.bos_token == theirs.eos_token == "\n" == char.decode([char.bos_token_id]) == char.eos_token
+    assert theirs.eos_token_id == theirs.bos_token_id == char.bos_token_id
+    # ...but generation stops at no character (generation_config.json says so, as transformers reads it)
+    assert char.eos_token_id is None and load_tokenizer(tmp_path / "char").eos_token_id is None
+    assert json.loads((tmp_path / "char" / "generation_config.json").read_text()) == {"eos_token_id": None}
     assert bpe.bos_token_id == bpe.eos_token_id == bpe.token_to_id("<|endoftext|>")
+    assert load_tokenizer(tmp_path / "bpe").eos_token_id == bpe.eos_token_id
+    assert bpe.eos_token == AutoTokenizer.from_pretrained(str(tmp_path / "bpe")).eos_token == "<|endoftext|>"

@@ -8,7 +8,14 @@ file is a word-level model over the characters, each character its own piece, jo
 spaces on decoding; ours keeps reading `vocab.json` (it is found first). `tokenizer_config.json` also
 names the BOS/EOS tokens, the context length (`model_max_length`) and the chat template the server renders
 (`CHAT_TEMPLATE`), so `apply_chat_template` and lm-eval's rolling loglikelihood (which starts each window
-after the BOS token) work on our checkpoints.
+after the BOS token, or the EOS token when BOS has id 0) work on our checkpoints.
+
+EOS is two things, as in Hugging Face: the token that ends a text (the tokenizer's `eos_token`, in
+tokenizer_config.json) and the id generation stops at (`eos_token_id`, in generation_config.json). For
+BPE they are one token, <|endoftext|>. A character vocabulary has no special token (one would change the
+vocabulary, so the model): its texts are lines, so the newline both starts a text (BOS) and ends one
+(EOS), GPT-2's one-token convention; but generation does not stop at it, or every answer would end at
+its first line, so its generation_config.json says `"eos_token_id": null`.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from ._checks import integer, token_ids
 CHAR_VOCAB_FILE = "vocab.json"
 BPE_FILE = "tokenizer.json"
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"  # a Hugging Face directory names its EOS token here
+HF_GENERATION_CONFIG = "generation_config.json"  # ...and the id generation stops at here
 # The chat template of a checkpoint that names none (the server's, and the one our tokenizers save): one line
 # per message, `Role: content`, and a final `Assistant:` that the model continues.
 CHAT_TEMPLATE = (
@@ -51,10 +59,11 @@ class CharTokenizer:
             raise ValueError(f"chars must be distinct, got repeats of {repeated!r}")
         self.chars = list(chars)
         self.stoi = {c: i for i, c in enumerate(self.chars)}
-        self.eos_token_id = None  # stopping at a character (a newline) would cut every answer short
         # BOS, the context before a text's first character, is the newline: text starts after one, and a
         # special token would change the vocabulary, so the model, of every character checkpoint
         self.bos_token_id = self.stoi.get("\n")
+        self.eos_token = "\n" if self.bos_token_id is not None else None  # a text ends where the next starts
+        self.eos_token_id = None  # generation stops at no character: a newline would cut every answer short
 
     def token_to_id(self, token: str) -> int | None:
         return self.stoi.get(token)
@@ -109,6 +118,7 @@ class BPETokenizer:
         ids = (tokenizer.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>"))
         self.eos_token_id = next((i for i in ids if i is not None), None)
         self.bos_token_id = self.eos_token_id  # GPT-2's way: one token ends a text and starts the next
+        self.eos_token = None if self.eos_token_id is None else tokenizer.id_to_token(self.eos_token_id)
 
     @classmethod
     def train(cls, text: str, vocab_size: int) -> BPETokenizer:
@@ -149,21 +159,28 @@ class BPETokenizer:
 def _write_hf_config(path: Path, tokenizer, model_max_length: int | None) -> None:
     """tokenizer_config.json for AutoTokenizer: the fast tokenizer class, no clean-up of spaces on
     decoding (it would change the text: "a ." -> "a."), the BOS and EOS tokens when there are, the chat
-    template the server renders, and the model's context length when given. Keys an existing file already
-    has (another chat template, say) are kept."""
-    file = path / HF_TOKENIZER_CONFIG
-    config = _read_json(file) if file.is_file() else {}
-    config = config if isinstance(config, dict) else {}
+    template the server renders, and the model's context length when given; generation_config.json with
+    the id generation stops at (null: none). Keys an existing file already has (another chat template,
+    say) are kept."""
+    config = _existing_config(path / HF_TOKENIZER_CONFIG)
     config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     config.setdefault("clean_up_tokenization_spaces", False)
-    for name in ("bos", "eos"):
-        token_id = getattr(tokenizer, f"{name}_token_id")
-        if token_id is not None:
-            config.setdefault(f"{name}_token", tokenizer.decode([token_id]))
+    if tokenizer.bos_token_id is not None:
+        config.setdefault("bos_token", tokenizer.decode([tokenizer.bos_token_id]))
+    if tokenizer.eos_token is not None:
+        config.setdefault("eos_token", tokenizer.eos_token)
     config.setdefault("chat_template", CHAT_TEMPLATE)
     if model_max_length is not None:
         config["model_max_length"] = model_max_length
-    file.write_text(json.dumps(config, ensure_ascii=False, indent=2))
+    (path / HF_TOKENIZER_CONFIG).write_text(json.dumps(config, ensure_ascii=False, indent=2))
+    generation = _existing_config(path / HF_GENERATION_CONFIG)
+    generation.setdefault("eos_token_id", tokenizer.eos_token_id)  # null: generation stops at no token
+    (path / HF_GENERATION_CONFIG).write_text(json.dumps(generation, indent=2))
+
+
+def _existing_config(file: Path) -> dict:
+    config = _read_json(file) if file.is_file() else {}
+    return config if isinstance(config, dict) else {}
 
 
 def check_vocab_size(tokenizer, vocab_size: int, where) -> None:
@@ -176,9 +193,11 @@ def check_vocab_size(tokenizer, vocab_size: int, where) -> None:
 
 def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:
     """Read the tokenizer saved in a checkpoint directory (ours, or a Hugging Face tokenizer.json).
-    Its `eos_token_id` is the token tokenizer_config.json names as `eos_token` when the directory has
-    one (the one place where every caller — CLI, server — learns the EOS id). A damaged file is a
-    ValueError naming it."""
+    Its `eos_token` is the one tokenizer_config.json names when the directory has one, and its
+    `eos_token_id`, the id generation stops at (the one place where every caller — CLI, server — learns
+    it), is that token's id, unless generation_config.json says `"eos_token_id": null` (a character
+    checkpoint's: no stop). An id there is not read: a Hugging Face directory's may be a list, or the id
+    of a larger vocabulary than a test's. A damaged file is a ValueError naming it."""
     path = Path(path)
     tokenizer = _read_tokenizer(path)
     eos = _configured_eos_token(path)
@@ -186,7 +205,10 @@ def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:
         eos_id = tokenizer.token_to_id(eos)
         if eos_id is None:
             raise ValueError(f"{path / HF_TOKENIZER_CONFIG} names eos_token={eos!r}, which the tokenizer does not know")
-        tokenizer.eos_token_id = eos_id  # may be 0: compare with None, never with truthiness
+        tokenizer.eos_token, tokenizer.eos_token_id = eos, eos_id  # may be 0: compare with None, never truthiness
+    generation = _existing_config(path / HF_GENERATION_CONFIG)
+    if "eos_token_id" in generation and generation["eos_token_id"] is None:  # generation stops at no token
+        tokenizer.eos_token_id = None
     return tokenizer
 
 

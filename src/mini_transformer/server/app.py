@@ -28,6 +28,7 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from pydantic import TypeAdapter
 
 from ..engine import InvalidRequest
 from . import protocol as P
@@ -46,6 +47,8 @@ from .text import TextCodec
 from .tokenize import add_tokenizer_routes
 
 STATIC = Path(__file__).parent / "static"
+COMPLETION_BODY = TypeAdapter(CompletionRequest)
+CHAT_BODY = TypeAdapter(ChatCompletionRequest)
 STATE_STREAM_INTERVAL_S = 0.25
 
 
@@ -133,8 +136,10 @@ def _add_status_routes(app: FastAPI, ctx: ServerContext, require_key: Callable) 
 
 
 def _add_generation_routes(app: FastAPI, ctx: ServerContext, require_key: Callable) -> None:
-    @app.post("/v1/completions", dependencies=[Depends(require_key)], **describe("completions"))
-    async def completions(body: CompletionRequest, request: Request):
+    @app.post("/v1/completions", dependencies=[Depends(require_key)],
+              **describe("completions", (CompletionRequest,)))
+    async def completions(request: Request):
+        body: CompletionRequest = await ctx.workers.parse(COMPLETION_BODY, request)
         _check_common(ctx, body)
         prompts = await ctx.workers.run(_completion_prompts, ctx, body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
@@ -145,21 +150,22 @@ def _add_generation_routes(app: FastAPI, ctx: ServerContext, require_key: Callab
         # the engine scores the prompt once, for echo's logprobs and prompt_logprobs: the larger N serves both
         wanted = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None]
         prompt_logprobs = max(wanted, default=None)
+        _check_capacity(ctx, len(prompts) * body.n)  # before anything is built per prompt
         structured = await compile_structured(ctx.engine_loop.engine, ctx.workers, body)
         params = [[body.sampling_params(max(max_tokens, 1), j, ctx.vocab_size, logprobs=body.logprobs,
                                         prompt_logprobs=prompt_logprobs, structured=structured)
                    for j in range(body.n)] for _ in prompts]
-        _check_capacity(ctx, len(prompts) * body.n)
-        for i, prompt in enumerate(prompts):
-            _check_with_engine(ctx, prompt, params[i][0], "prompt" if i == 0 else f"prompt[{i}]")
+        await ctx.workers.run(_check_with_engine, ctx, prompts, [p[0] for p in params], "prompt")
         options = Options(tuple(body.stop_strings()), echo=body.echo, score_only=score_only,
                           logprobs=body.logprobs is not None, include_stop=body.include_stop_str_in_output,
                           min_tokens=body.min_tokens)
         gen = Generation(ctx.engine_loop, ctx.codec, prompts, params, options)
         return await _respond(gen, body, request, ctx, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)], **describe("chat"))
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)],
+              **describe("chat", (ChatCompletionRequest,)))
+    async def chat_completions(request: Request):
+        body: ChatCompletionRequest = await ctx.workers.parse(CHAT_BODY, request)
         _check_common(ctx, body)
         if body.top_logprobs is not None and not body.logprobs:
             raise ErrorResponse(400, "top_logprobs needs logprobs=true", param="top_logprobs")
@@ -174,7 +180,7 @@ def _add_generation_routes(app: FastAPI, ctx: ServerContext, require_key: Callab
         params = [[body.sampling_params(max_tokens, j, ctx.vocab_size, logprobs=logprobs, structured=structured)
                    for j in range(body.n)]]
         _check_capacity(ctx, body.n)
-        _check_with_engine(ctx, prompt, params[0][0], "messages")
+        await ctx.workers.run(_check_with_engine, ctx, [prompt], [params[0][0]], "messages")
         options = Options(tuple(body.stop_strings()), logprobs=body.logprobs,
                           include_stop=body.include_stop_str_in_output, min_tokens=body.min_tokens)
         gen = Generation(ctx.engine_loop, ctx.codec, [prompt], params, options)
@@ -217,16 +223,19 @@ def _check_capacity(ctx: ServerContext, choices: int) -> None:
                             param="n")
 
 
-def _check_with_engine(ctx: ServerContext, prompt: list[int], params, param: str) -> None:
+def _check_with_engine(ctx: ServerContext, prompts: list[list[int]], params: list, param: str) -> None:
     """The engine's own add_request checks (token range, fits the context and the pool, stop ids), run
-    here so a refusal is a 400 naming the request's parameter before anything is queued."""
-    try:
-        ctx.engine_loop.engine.check_request(prompt, params)
-    except InvalidRequest as err:
-        if err.argument == "stop_token_ids":
-            raise ErrorResponse(400, str(err), param="stop_token_ids") from None
-        code = "context_length_exceeded" if err.argument == "max_tokens" else None
-        raise ErrorResponse(400, f"{param}: {err}", param=param, code=code) from None
+    here (on a worker: a prompt may hold a million ids) so a refusal is a 400 naming the request's
+    parameter before anything is queued."""
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        name = param if i == 0 else f"{param}[{i}]"
+        try:
+            ctx.engine_loop.engine.check_request(prompt, p)
+        except InvalidRequest as err:
+            if err.argument == "stop_token_ids":
+                raise ErrorResponse(400, str(err), param="stop_token_ids") from None
+            code = "context_length_exceeded" if err.argument == "max_tokens" else None
+            raise ErrorResponse(400, f"{name}: {err}", param=name, code=code) from None
 
 
 def _chat_prompt(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
@@ -247,8 +256,9 @@ def _completion_prompts(ctx: ServerContext, prompt) -> list[list[int]]:
         for i, p in enumerate(prompt):
             check_prompt_bytes(ctx.limits, p, f"prompt[{i}]")
         return [ctx.codec.encode(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-    prompts = [prompt] if all(isinstance(t, int) for t in prompt) else prompt
-    return [list(p) for p in prompts]  # token ranges: the engine's check_request
+    # the parsed lists as they are (token ranges: the engine's check_request): copying a body's half a
+    # million lists would make as many objects again for the garbage collector to walk
+    return [prompt] if isinstance(prompt[0], int) else prompt
 
 
 async def _respond(gen: Generation, body, request: Request, ctx: ServerContext, chat: bool):

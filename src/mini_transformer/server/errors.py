@@ -7,7 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .protocol import ErrorResponse
+from .protocol import REFUSED, ErrorResponse
 
 
 def install_error_handlers(app: FastAPI, metrics) -> None:
@@ -24,21 +24,33 @@ def install_error_handlers(app: FastAPI, metrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request, err: RequestValidationError):
-        first = err.errors()[0] if err.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = loc[0] if loc else None  # the top-level parameter, as OpenAI names it (the rest: union members)
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message, param = f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}", None
-        elif not loc:  # the body as a whole: not a JSON object (or sent without a JSON content type)
-            message = f"the body must be a JSON object (Content-Type: application/json): {message}"
-        elif param:
-            message = f"{'.'.join(loc)}: {message} (got {_short(first.get('input'))})"
-        return reply(ErrorResponse(400, message, param=param))
+        return reply(invalid_request(err.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request, err: StarletteHTTPException):
         return reply(ErrorResponse(err.status_code, str(err.detail), headers=err.headers))  # 405 keeps Allow
+
+
+def invalid_request(errors) -> ErrorResponse:
+    """pydantic's errors as one 400 naming the top-level parameter, as OpenAI names it (the rest of a
+    location: union members). A known field this server cannot honour is named as such (protocol.REFUSED)."""
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = loc[0] if loc else None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        reason = first.get("ctx", {}).get("error", message)
+        message, param = f"the body is not valid JSON: {reason}", None
+        if "recursion limit" in reason:  # the parser's own depth limit: refused before anything recursed
+            message = f"the body nests its arrays and objects too deeply to be read ({reason})"
+    elif not loc:  # the body as a whole: not a JSON object
+        message = f"the body must be a JSON object (Content-Type: application/json): {message}"
+    elif param in REFUSED and len(loc) == 1:
+        message = REFUSED[param]
+    else:
+        got = f" (got {_short(first['input'])})" if "input" in first else ""
+        message = f"{'.'.join(loc)}: {message}{got}"
+    return ErrorResponse(400, message, param=param)
 
 
 def _short(value, limit: int = 200) -> str:

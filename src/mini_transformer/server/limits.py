@@ -4,14 +4,16 @@ The event loop serves every client at once (/health, /metrics, each open stream)
 makes it tokenise megabytes or compile a huge grammar would stall them all. So:
 
 - a body past `max_body_bytes` is refused (a 400 naming the limit) as it arrives, before anything
-  parses it (`BodyLimit`, an ASGI middleware): FastAPI parses the JSON on the event loop, so this limit
-  is what bounds that;
+  parses it (`BodyLimit`, an ASGI middleware);
+- a body within it is parsed and validated on a worker (`Workers.parse`), not on the event loop as
+  FastAPI would: a body of a million token ids takes seconds to validate, a deeply nested one is refused
+  by the parser's own depth limit;
 - a prompt text is refused past `max_prompt_bytes` before it is tokenised;
 - a structured-output constraint is refused past `max_schema_bytes`, `max_schema_depth` nesting levels
   or `max_guided_choices` options before xgrammar sees it;
-- what is left (tokenising, compiling the grammar) runs on small thread pools (`Workers`): xgrammar
-  and the tokenizers release the GIL or yield it at Python's switch interval, so the loop keeps
-  answering; a compile that runs past `grammar_compile_timeout_s` is a 400 naming that limit.
+- what is left (parsing, tokenising, compiling the grammar) runs on small thread pools (`Workers`):
+  xgrammar and the tokenizers release the GIL, the validators yield it at Python's switch interval, so
+  the loop keeps answering; a compile that runs past `grammar_compile_timeout_s` is a 400 naming that limit.
 
 Each limit is a serve option (cli/serve_command.py); docs/07 §3 says why.
 """
@@ -19,13 +21,18 @@ Each limit is a serve option (cli/serve_command.py); docs/07 §3 says why.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from fastapi import Request
+from pydantic import TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException
 
 from .._checks import positive_int, positive_number
+from .errors import invalid_request
 from .protocol import ErrorResponse
 
 
@@ -59,6 +66,12 @@ class Workers:
         """fn(*args) on a worker thread; the event loop serves others meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
+    async def parse(self, adapter: TypeAdapter, request: Request):
+        """The request's JSON body validated as `adapter`'s type, on a worker thread: the 400s FastAPI's
+        own parsing would give (errors.py words them), without holding up the event loop."""
+        raw = await request.body()  # as it arrived; BodyLimit has bounded its size
+        return await self.run(parse_body, adapter, raw, request.headers.get("content-type"))
+
     async def compile(self, what: str, fn, *args):
         """fn(*args) on a compile thread, or a 400 naming `what` once it has run the compile timeout (the
         thread finishes on its own: xgrammar cannot be interrupted, but the pool bounds such threads)."""
@@ -73,6 +86,46 @@ class Workers:
     def shutdown(self) -> None:
         for pool in (self.pool, self.compile_pool):
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _PausedCollector:
+    """Python's cyclic garbage collector off while any body is parsed. A large body becomes up to a
+    million lists or objects, and while they are made the collector would walk every tracked object of
+    the process several times, each walk holding the GIL (the event loop waits). Paused, nothing walks
+    them; a refused request's objects are freed by reference counting as it ends."""
+
+    def __init__(self):
+        self.lock, self.parsing, self.resume = threading.Lock(), 0, False
+
+    def __enter__(self):
+        with self.lock:
+            if self.parsing == 0:
+                self.resume = gc.isenabled()  # whoever turned it off (a test, an embedder) keeps it off
+                gc.disable()
+            self.parsing += 1
+
+    def __exit__(self, *exc):
+        with self.lock:
+            self.parsing -= 1
+            if self.parsing == 0 and self.resume:
+                gc.enable()
+
+
+PAUSED_COLLECTOR = _PausedCollector()
+
+
+def parse_body(adapter: TypeAdapter, raw: bytes, content_type: str | None):
+    """`raw` parsed and validated in one pass (pydantic's JSON parser, whose nesting limit refuses a deep
+    body before it recurses); a body sent as another content type than JSON is not read as JSON."""
+    media = (content_type or "application/json").partition(";")[0].strip().lower()
+    if not (media == "application/json" or (media.startswith("application/") and media.endswith("+json"))):
+        raise ErrorResponse(400, f"the body must be a JSON object (Content-Type: application/json), got "
+                                 f"Content-Type {content_type!r}")
+    try:
+        with PAUSED_COLLECTOR:
+            return adapter.validate_json(raw)
+    except ValidationError as err:  # without the inputs: a rejected value may be megabytes, and never read
+        raise invalid_request(err.errors(include_url=False, include_input=False)) from None
 
 
 def check_prompt_bytes(limits: Limits, text: str, param: str) -> None:

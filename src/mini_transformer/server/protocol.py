@@ -9,6 +9,7 @@ import uuid
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
 from ..inference.sampling import MAX_SAMPLING_FACTOR, SamplingParams
 
@@ -39,9 +40,16 @@ MAX_LOGPROBS = 20  # alternatives per token (vLLM's default max_logprobs; OpenAI
 # integer below 2**63 that a double holds exactly (schema tools compare bounds as doubles)
 SEED_RANGE = (-(2**63), 2**63 - 1024)
 # Known OpenAI / vLLM parameters this server cannot honour yet: sending one is a 400 naming it, never a
-# 200 that quietly ignored it. Other unknown fields are ignored (vLLM's default).
+# 200 that quietly ignored it. Other unknown fields are ignored unread (vLLM's default).
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "structured_outputs",
                "audio", "modalities", "prediction", "suffix", "use_beam_search", "prompt_embeds")
+CHAT_UNSUPPORTED = ("echo", "prompt_logprobs")  # /v1/completions has them
+REFUSED = {**{name: f"{name} is not supported by this server" for name in UNSUPPORTED},
+           **{name: f"{name} is not supported on chat completions (/v1/completions has it)"
+              for name in CHAT_UNSUPPORTED}}
+# Such a field is declared with this type, hidden from the schema: null or absent passes, any other value
+# is a validation error (errors.py words it from REFUSED), checked without building the value in Python.
+Refused = SkipJsonSchema[None]
 
 
 
@@ -68,9 +76,9 @@ class StreamOptions(BaseModel):
 
 class _SamplingFields(BaseModel):
     """The fields both endpoints share. A field in UNSUPPORTED is refused (400); other unknown ones are
-    ignored, as vLLM does."""
+    ignored, as vLLM does, and never turned into Python objects (a body may carry megabytes of them)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"additionalProperties": True})
 
     model: str
     max_tokens: Count | None = None  # 0 only with echo (completions): score the prompt, generate nothing
@@ -84,8 +92,8 @@ class _SamplingFields(BaseModel):
     # OpenAI's keys are token ids written as strings; values in [-100, 100]
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     min_tokens: Count = 0
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: list[Count] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS, fail_fast=True)] | None = None
+    stop_token_ids: Annotated[list[Count], Field(fail_fast=True)] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     seed: Int(ge=SEED_RANGE[0], le=SEED_RANGE[1]) | None = None
@@ -98,14 +106,25 @@ class _SamplingFields(BaseModel):
     response_format: dict | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[str], Field(fail_fast=True)] | None = None
     guided_grammar: str | None = None
+    # UNSUPPORTED, each refused unless null
+    tools: Refused = None
+    tool_choice: Refused = None
+    functions: Refused = None
+    function_call: Refused = None
+    parallel_tool_calls: Refused = None
+    structured_outputs: Refused = None
+    audio: Refused = None
+    modalities: Refused = None
+    prediction: Refused = None
+    suffix: Refused = None
+    use_beam_search: Refused = None
+    prompt_embeds: Refused = None
 
     def check_supported(self) -> None:
-        """400 for a parameter we know and cannot honour (rather than a 200 that ignored it)."""
-        for name in UNSUPPORTED:
-            if (self.model_extra or {}).get(name) is not None:
-                raise ErrorResponse(400, f"{name} is not supported by this server", param=name)
+        """400 for a parameter we know and cannot honour (rather than a 200 that ignored it); the fields of
+        UNSUPPORTED were refused by validation already."""
         if self.best_of is not None and self.best_of != self.n:
             raise ErrorResponse(400, f"best_of={self.best_of} is not supported: it must be absent or equal "
                                      f"n={self.n} (this server returns every choice it generates)", param="best_of")
@@ -153,9 +172,11 @@ class _SamplingFields(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-TokenIds = Annotated[list[Count], Field(min_length=1)]
-Texts = Annotated[list[Text], Field(min_length=1)]
-TokenIdLists = Annotated[list[TokenIds], Field(min_length=1)]
+# fail_fast: a list stops at its first wrong item; otherwise every prompt form of the union below would
+# record one error per item of a prompt of another form (millions, for a large body) before one matches
+TokenIds = Annotated[list[Count], Field(min_length=1, fail_fast=True)]
+Texts = Annotated[list[Text], Field(min_length=1, fail_fast=True)]
+TokenIdLists = Annotated[list[TokenIds], Field(min_length=1, fail_fast=True)]
 
 
 class CompletionRequest(_SamplingFields):
@@ -184,7 +205,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(fail_fast=True)] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -193,20 +214,15 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True)]
     max_completion_tokens: Int(ge=1) | None = None
     logprobs: bool = False
     top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
-
-    def check_supported(self) -> None:
-        """Fields of vLLM's chat request that this server does not honour on chat: a 400, never ignored."""
-        super().check_supported()
-        for name in ("echo", "prompt_logprobs"):
-            value = (self.model_extra or {}).get(name)
-            if value is not None and value is not False:  # echo=false asks for nothing
-                raise ErrorResponse(400, f"{name} is not supported on chat completions (/v1/completions has it)",
-                                    param=name)
+    # CHAT_UNSUPPORTED: fields of vLLM's chat request this server does not honour on chat, refused unless
+    # null (or false: echo=false asks for nothing)
+    echo: SkipJsonSchema[Literal[False] | None] = None
+    prompt_logprobs: Refused = None
 
 
 # ------------------------------------------------------------------------------------ responses

@@ -3,7 +3,8 @@
 FastAPI documents a route's 200 from its return annotation (none here: the routes return plain dicts or
 streams, for speed) and adds a 422 that this server never sends. So each route gets `describe(name)`:
 its 200 body as the pydantic models below, an SSE or Prometheus content type where that is what comes,
-and OpenAI's error object for each error status it can answer. `install_openapi` then drops the 422s
+OpenAI's error object for each error status it can answer, and the request body a route parses itself
+(on a worker, limits.py; FastAPI documents only the bodies it parses). `install_openapi` then drops the 422s
 and writes the limits only the loaded model knows (max_model_len, vocab_size) into the request schemas,
 so a schema-driven client (schemathesis, a generated SDK) sees the same bounds the engine enforces.
 """
@@ -13,9 +14,12 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi import FastAPI
+from fastapi.encoders import jsonable_encoder
+from fastapi.openapi.models import OpenAPI
 from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
+from pydantic.json_schema import models_json_schema
 
 METRICS_CONTENT = CONTENT_TYPE_LATEST  # Prometheus' text exposition format
 SSE_CONTENT = "text/event-stream"
@@ -179,14 +183,18 @@ class TokenizerInfo(BaseModel):
 _ERRORS = {400: "a parameter is missing, malformed or outside its range (`param` names it)",
            401: "the server has an API key and the request's Authorization header is missing or wrong",
            404: "no such model (`model_not_found`)",
+           421: "the Host header is not a name of this server (`misdirected_request`; see --allowed-hosts)",
            429: "too many requests in flight; retry after the Retry-After header's seconds",
            500: "the engine failed on this request; the server goes on",
            503: "the server is shutting down, or its engine thread is gone"}
+# what any route may answer before it runs: a body past the size limit (limits.BodyLimit), a Host the server
+# does not go by (access.HostCheck)
+_ANY_ROUTE = {400: "the request body is larger than the server's limit (`request_too_large`)", 421: _ERRORS[421]}
 _ROUTES: dict[str, tuple[type[BaseModel], str | None, tuple[int, ...]]] = {
     # name: (200 body, another 200 content type, error statuses)
     "health": (Health, None, ()),
     "load": (Load, None, ()),
-    "metrics": (None, METRICS_CONTENT, ()),
+    "metrics": (None, METRICS_CONTENT, (401,)),
     "models": (ModelList, None, (401,)),
     "model": (ModelCard, None, (401, 404)),
     "completions": (CompletionResponse, SSE_CONTENT, (400, 401, 404, 429, 500, 503)),
@@ -198,8 +206,12 @@ _ROUTES: dict[str, tuple[type[BaseModel], str | None, tuple[int, ...]]] = {
 }
 
 
-def describe(name: str) -> dict:
-    """The route decorator's documentation arguments for route `name`."""
+_REF = "#/components/schemas/{model}"
+_BODIES: set[type[BaseModel]] = set()  # the request bodies routes parse themselves: install_openapi adds them
+
+
+def describe(name: str, body: tuple[type[BaseModel], ...] = ()) -> dict:
+    """The route decorator's documentation arguments for route `name`, whose JSON body is one of `body`."""
     model, other_content, errors = _ROUTES[name]
     ok: dict = {"description": "OK"}
     if model is not None:
@@ -210,11 +222,21 @@ def describe(name: str) -> dict:
     responses: dict = {200: ok}
     if name == "health":
         responses[503] = {"model": Health, "description": "shutting down, or the engine thread is gone"}
-    for status in errors:
-        responses[status] = {"model": ErrorBody, "description": _ERRORS[status]}
+    for status in sorted({*errors, *_ANY_ROUTE}):
+        described = _ERRORS[status] if status in errors else _ANY_ROUTE[status]
+        responses[status] = {"model": ErrorBody, "description": described}
+        if model is None:  # FastAPI would file the error under the route's own media type; it is JSON
+            ref = {"$ref": _REF.format(model=ErrorBody.__name__)}
+            responses[status] = {"description": described, "content": {"application/json": {"schema": ref}}}
     if 429 in errors:
         responses[429]["headers"] = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}
     kwargs: dict = {"responses": responses}
+    if body:
+        _BODIES.update(body)
+        refs = [{"$ref": _REF.format(model=b.__name__)} for b in body]
+        schema = refs[0] if len(refs) == 1 else {"anyOf": refs, "title": "Body"}
+        kwargs["openapi_extra"] = {"requestBody": {"content": {"application/json": {"schema": schema}},
+                                                   "required": True}}
     if model is None:  # the only 200 content is the other type (not application/json)
         kwargs["response_class"] = _media_response(other_content)
     return kwargs
@@ -247,7 +269,14 @@ def install_openapi(app: FastAPI, ctx) -> None:
             for operations in schema.get("paths", {}).values():
                 for operation in operations.values():
                     operation.get("responses", {}).pop("422", None)
-            components = schema.get("components", {}).get("schemas", {})
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            _, bodies = models_json_schema([(b, "validation") for b in sorted(_BODIES, key=lambda b: b.__name__)],
+                                           ref_template=_REF)
+            for name, definition in bodies.get("$defs", {}).items():
+                components.setdefault(name, definition)
+            # through FastAPI's own OpenAPI model, as get_openapi's output went: the same numbers, no nulls
+            schema = jsonable_encoder(OpenAPI(**schema), by_alias=True, exclude_none=True)
+            components = schema["components"]["schemas"]
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
             for model in ("CompletionRequest", "ChatCompletionRequest"):  # the one model served

@@ -42,9 +42,13 @@ class TextCodec:
         if isinstance(template, list):  # several named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
         self.chat_template_source = template or CHAT_TEMPLATE
-        self.bos_token = _token_text(config.get("bos_token")) or ""
-        self.eos_token = _token_text(config.get("eos_token")) or ""
-        self.eos_token_id = self.tokenizer.eos_token_id  # found by load_tokenizer, as the CLI finds it
+        # the tokenizer's own BOS/EOS for a checkpoint saved before its files named them (the newline of a
+        # character vocabulary): lm-eval needs one of them to start its rolling windows
+        bos_id = self.tokenizer.bos_token_id
+        own_bos = None if bos_id is None else self.tokenizer.decode([bos_id])
+        self.bos_token = _token_text(config.get("bos_token")) or own_bos or ""
+        self.eos_token = _token_text(config.get("eos_token")) or self.tokenizer.eos_token or ""
+        self.eos_token_id = self.tokenizer.eos_token_id  # where generation stops (load_tokenizer), as in the CLI
         self._template = None
         self._token_texts: dict[int, str] = {}
 

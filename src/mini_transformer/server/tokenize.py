@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, FastAPI
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import Depends, FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from .limits import check_prompt_bytes
 from .protocol import ChatMessage, Count, ErrorResponse
@@ -35,12 +35,16 @@ class TokenizeText(_TokenizerRequest):
 class TokenizeChat(_TokenizerRequest):
     """The messages are rendered through the chat template first."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True)]
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_TokenizerRequest):
-    tokens: list[Count]
+    tokens: Annotated[list[Count], Field(fail_fast=True)]
+
+
+TOKENIZE_BODY = TypeAdapter(TokenizeText | TokenizeChat)
+DETOKENIZE_BODY = TypeAdapter(DetokenizeRequest)
 
 
 def add_tokenizer_routes(app: FastAPI, ctx, require_key) -> None:
@@ -64,15 +68,17 @@ def add_tokenizer_routes(app: FastAPI, ctx, require_key) -> None:
         except ValueError as err:
             raise ErrorResponse(400, f"{param}: {err}", param=param) from None
 
-    @app.post("/tokenize", dependencies=[Depends(require_key)], **describe("tokenize"))
-    async def tokenize(body: TokenizeText | TokenizeChat):
+    @app.post("/tokenize", dependencies=[Depends(require_key)], **describe("tokenize", (TokenizeText, TokenizeChat)))
+    async def tokenize(request: Request):
+        body = await ctx.workers.parse(TOKENIZE_BODY, request)  # parsed on a worker, as every body (limits.py)
         check_model(body.model)
         ids = await ctx.workers.run(encode, body)  # a long text must not stall the event loop
         strs = [codec.token_text(i) for i in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "token_strs": strs}
 
-    @app.post("/detokenize", dependencies=[Depends(require_key)], **describe("detokenize"))
-    async def detokenize(body: DetokenizeRequest):
+    @app.post("/detokenize", dependencies=[Depends(require_key)], **describe("detokenize", (DetokenizeRequest,)))
+    async def detokenize(request: Request):
+        body = await ctx.workers.parse(DETOKENIZE_BODY, request)
         check_model(body.model)
         bad = [t for t in body.tokens if t >= ctx.vocab_size]
         if bad:
@@ -83,6 +89,7 @@ def add_tokenizer_routes(app: FastAPI, ctx, require_key) -> None:
     @app.get("/tokenizer_info", dependencies=[Depends(require_key)], **describe("tokenizer_info"))
     async def tokenizer_info():
         eos = codec.eos_token or (None if codec.eos_token_id is None else codec.token_text(codec.eos_token_id))
+        # eos_token ends a text (a character vocabulary's newline, where its generation does not stop)
         return {"tokenizer_class": "PreTrainedTokenizerFast", "vocab_size": ctx.vocab_size,
                 "model_max_length": ctx.max_model_len, "eos_token": eos,
                 "bos_token": codec.bos_token or None, "pad_token": None,
