@@ -123,15 +123,16 @@ def run_thread_scaling(model: TransformerLM, repeats: int, counts: list[int]) ->
                 gbs[(name, n)] = nbytes / timings[name].median / 1e9
     finally:
         torch.set_num_threads(before)
-    rows = []
-    for name in ["read roof (256 MB sum)", *calls]:
+    rows, roof = [], "read roof (256 MB sum)"
+    for name in [roof, *calls]:
         row = {"method": name, **{n: gbs[(name, n)] for n in counts}}
         row["gain"] = f"{gbs[(name, counts[-1])] / gbs[(name, counts[0])]:.2f}x"
+        row["share"] = f"{gbs[(name, counts[-1])] / gbs[(roof, counts[-1])]:.0%}"
         rows.append(row)
     print(f"\nGEMV kernels over every weight matrix of the model, 1 row, median of {repeats} alternating runs, "
           f"GB/s at each thread count; {load_average()}")
     columns = {"method": "method", **{n: f"GB/s, {n} thread{'s' * (n > 1)}" for n in counts},
-               "gain": f"{counts[-1]} vs {counts[0]}"}
+               "gain": f"{counts[-1]} vs {counts[0]}", "share": f"of the roof at {counts[-1]}"}
     print(table(rows, columns))
 
 

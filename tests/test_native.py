@@ -111,14 +111,14 @@ def test_portable_one_query_equals_float64(portable, threads, B, H, Hkv, Tk, D, 
 
 
 def test_portable_kernels_same_bits_on_1_and_2_threads(portable):
-    """Shapes past each kernel's grain (300 weight rows; kv heads or sequences to split): each output summed
-    by one thread in one order, so 1 and 2 threads give the same bits."""
+    """Shapes past each kernel's grain (1001 weight rows, several chunks of csrc/row_split.h; kv heads or
+    sequences to split): each output summed by one thread in one order, so 1 and 2 threads give the same bits."""
     torch.manual_seed(0)
-    layer = Int4Linear.from_linear(nn.Linear(256, 300, bias=False), 64)
+    layer = Int4Linear.from_linear(nn.Linear(1024, 1001, bias=False), 64)
     q, k_cache, v_cache, meta, _ = decode_setup([70], 16, 6, 3, 64)
     q1, k, v, mask, _ = one_query_setup(1, 8, 4, 300, 64, "random-add", 1)
-    calls = [(portable.mt_float_portable.gemv, *inputs(3, 300, 257, True, 0, dtype)) for dtype in DTYPES]
-    calls += [(portable.mt_gemv_portable.int4, torch.randn(3, 256), layer.weight, layer.gemv_scale_low, 64),
+    calls = [(portable.mt_float_portable.gemv, *inputs(3, 1001, 257, True, 0, dtype)) for dtype in DTYPES]
+    calls += [(portable.mt_gemv_portable.int4, torch.randn(3, 1024), layer.weight, layer.gemv_scale_low, 64),
               (portable.mt_paged_portable.decode, q, k_cache, v_cache, meta.block_tables, meta.context_lens, 16,
                0.125),
               (portable.mt_one_query_portable.attend, q1, k, v, mask, 0.125)]

@@ -136,13 +136,13 @@ def test_int4_gemv_kernel_over_shapes(threads, group_size, groups, out_features,
 
 @pytest.mark.parametrize("group_size", [32, 64])  # the plain loop (K = 64 x odd) and the VNNI one
 def test_int4_gemv_kernel_same_bits_on_1_and_2_threads(group_size):
-    """300 weight rows, more than one thread's grain of 64: at 2 threads each thread sums its own rows, in
-    the order 1 thread would, so the bits are the same."""
+    """1001 weight rows, several of csrc/row_split.h's chunks and a short last one: at 2 threads each chunk is
+    summed by one thread, in the order 1 thread would, so the bits are the same."""
     if not kernel_available():
         pytest.skip("the int4 C++ kernel cannot be built here")
     torch.manual_seed(group_size)
-    K = 64 * 5 if group_size == 32 else 256
-    layer = Int4Linear.from_linear(nn.Linear(K, 300, bias=False), group_size)
+    K = 64 * 15 if group_size == 32 else 1024
+    layer = Int4Linear.from_linear(nn.Linear(K, 1001, bias=False), group_size)
     x = torch.randn(3, K)
     args = (x, layer.weight, layer.gemv_scale_low, group_size)
     assert torch.equal(on_threads(1, torch.ops.mt_gemv.int4, *args), on_threads(2, torch.ops.mt_gemv.int4, *args))

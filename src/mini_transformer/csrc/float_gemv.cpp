@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "ops.h"
+#include "row_split.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "float_gemv_avx512.h"
@@ -71,13 +72,12 @@ __attribute__((noinline)) static void gemv_range(const typename D::T* x, const t
       D::rows(x + m * K, std::min<int64_t>(4, M - m), w, bias, y + m * N, N, K, n0, std::min(n0 + kBlock, end));
 }
 
-// Rows of W split over threads, one contiguous range each (at::parallel_for's split), so each thread still
-// reads one front-to-back stream; each row is summed by one thread in one order, so any thread count gives
-// the same bits. At least 64 rows a thread: a block of gemv_range.
+// Rows of W in contiguous chunks over the threads (row_split.h); each row summed by one thread in one order.
 template <class D>
 static void gemv_rows(const typename D::T* x, const typename D::T* w, const typename D::T* bias, typename D::T* y,
                       int64_t M, int64_t N, int64_t K) {
-  at::parallel_for(0, N, 64, [=](int64_t begin, int64_t end) { gemv_range<D>(x, w, bias, y, M, N, K, begin, end); });
+  parallel_rows(N, K * (int64_t)sizeof(typename D::T),
+                [=](int64_t begin, int64_t end) { gemv_range<D>(x, w, bias, y, M, N, K, begin, end); });
 }
 
 template <typename T>

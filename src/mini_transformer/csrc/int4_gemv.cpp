@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "row_split.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "int4_gemv_avx512.h"
@@ -101,9 +102,9 @@ at::Tensor int4_gemv(at::Tensor x, at::Tensor packed, at::Tensor scale_low, int6
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* sl = scale_low.data_ptr<float>();
   float* out = y.data_ptr<float>();
-  // Weight rows split over threads, one contiguous range each (one stream of packed bytes per thread); each
-  // output summed by one thread in one order, so any thread count gives the same bits.
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+  // Weight rows (packed bytes and their scales) in contiguous chunks over the threads (row_split.h); each output
+  // summed by one thread in one order, so any thread count gives the same bits.
+  parallel_rows(N, K / 2 + 2 * G * (int64_t)sizeof(float), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* xm = a.xq.data() + m * K;
