@@ -49,7 +49,7 @@ class KVTransfer:
 
     async def before_start(self, body, prompts: list[list[int]]) -> None:
         """A consumer given a producer's kv_transfer_params waits (bounded) for the prompts' blocks."""
-        params = (body.model_extra or {}).get("kv_transfer_params")
+        params = body.kv_transfer_params
         if params is None or self.role != "consumer":
             return
         if not isinstance(params, dict):

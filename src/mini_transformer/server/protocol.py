@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
@@ -98,6 +98,8 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     seed: Int(ge=SEED_RANGE[0], le=SEED_RANGE[1]) | None = None
     n: Int(ge=1, le=MAX_N) = 1
+    # vLLM's prefill/decode hand-over, passed on by the router (server/kv_transfer.py checks its shape)
+    kv_transfer_params: Any = None
     best_of: Int(ge=1, le=MAX_N) | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
