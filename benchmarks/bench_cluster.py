@@ -6,7 +6,8 @@ random weights over a character vocabulary (one token per character), so prompts
            time: prompt tokens computed across 2 replicas and output tokens/s for round_robin,
            round_robin with a shared Redis KV store, cache_aware (the router guesses from request text)
            and kv_aware (the router follows the KV events the replicas publish: it learns of a prefix
-           only once a replica has computed it)
+           once a replica has scheduled it, and picks the replica of least cost, new prompt tokens plus
+           the work a replica has in hand, so a busy replica that holds a prefix may lose to an idle one)
   scale    no sharing: 2 replicas against 1 behind the same router, output tokens/s
   pd       requests decoding while long prompts arrive at a fixed rate (--long-every, the same offered
            load for both setups): time per output token (p50/p99 of the

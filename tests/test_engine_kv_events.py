@@ -155,6 +155,26 @@ def test_an_eviction_is_published_as_block_removed():
     assert replay(collector.batches) == cached(engine)
 
 
+def test_blocks_are_published_when_scheduled_before_the_forward_pass_fills_them():
+    """A router must learn of a prefix while it is being computed: requests for it that arrive during a
+    long prefill should follow it to this replica rather than compute it again on another."""
+    engine = LLMEngine(small_lm(vocab_size=13, max_seq_len=64),
+                       EngineConfig(block_size=BS, num_blocks=16, max_num_batched_tokens=8))
+    collector = Collector()
+    engine.publish_kv_events(collector)
+    seen_by_router, execute = [], engine.runner.execute_model
+
+    def execute_model(scheduled):
+        seen_by_router.append(replay(collector.batches))  # what a subscriber knows as the pass starts
+        return execute(scheduled)
+
+    engine.runner.execute_model = execute_model
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 5]  # three full blocks, prefilled in two chunks of 8
+    engine.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    blocks = [tuple(prompt[i:i + BS]) for i in range(0, 12, BS)]
+    assert [sorted(v.values()) for v in seen_by_router[:2]] == [blocks[:2], blocks]
+
+
 def test_publish_kv_events_refuses_an_engine_with_requests_in_flight():
     engine = LLMEngine(small_lm(vocab_size=13, max_seq_len=64), EngineConfig(block_size=BS, num_blocks=8))
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))

@@ -198,8 +198,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (False, and nothing changed, while requests hold blocks)."""
         reset = self.block_manager.reset_prefix_cache()
-        if self.kv_events is not None:
-            self.kv_events.publish(self.block_manager.drain_events())
+        self._publish_kv_events()
         return reset
 
     # ------------------------------------------------------------- prefill/decode disaggregation
@@ -262,17 +261,23 @@ class LLMEngine:
         """Schedule, run one forward pass, sample, and let the scheduler take in what came out. Returns
         one RequestOutput per request that produced a token in this step (a request still in the middle
         of its prefill produces none). If the forward pass raises, the requests of this step end with
-        finish_reason "error" and the error propagates. With KV events on, the step's cache changes go
-        out as one batch."""
+        finish_reason "error" and the error propagates. With KV events on, the blocks the schedule
+        entered into the prefix cache go out before the forward pass, what changed after it at the end."""
         try:
             return self._step()
         finally:
-            if self.kv_events is not None:
-                self.kv_events.publish(self.block_manager.drain_events())
+            self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.block_manager.drain_events())
 
     @torch.inference_mode()
     def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        # announced before the (long) prefill runs, as vLLM's scheduler does: a router then sends the
+        # requests for this prefix that arrive meanwhile here, instead of computing it again elsewhere
+        self._publish_kv_events()
         if not plan.scheduled:
             assert not self.scheduler.has_unfinished(), "the scheduler made no progress"
             return []
