@@ -143,15 +143,34 @@ def prepare(args) -> tuple[Path, Path | None, TransformerLM]:
     return hf_dir, gguf, TransformerLM.from_pretrained(hf_dir).eval()
 
 
+def paused(systems: dict, running: str, pause: bool) -> None:
+    """Stop (SIGSTOP) or continue every peer process but `running`'s: an idle peer's OpenMP threads may
+    spin-wait on the cores the running system needs."""
+    import psutil
+
+    for name, system in systems.items():
+        proc = getattr(system, "proc", None)
+        if name == running or proc is None:
+            continue
+        root = psutil.Process(proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            p.suspend() if pause else p.resume()
+
+
 def measure(args, systems: dict, prompts, new_tokens: int) -> dict:
-    """One warm-up each, then `args.peer_rounds` rounds in turn. name -> (outputs, [seconds], [cpu s])."""
+    """One warm-up each, then `args.peer_rounds` rounds in turn, the other peers stopped while one runs.
+    name -> (outputs, [seconds], [cpu s])."""
     results = {}
     for name, system in systems.items():
         outputs, _, _ = system.generate(prompts, new_tokens)
         results[name] = (outputs, [], [])
     for _ in range(args.peer_rounds):
         for name, system in systems.items():
-            outputs, seconds, cpu = system.generate(prompts, new_tokens)
+            paused(systems, name, True)
+            try:
+                outputs, seconds, cpu = system.generate(prompts, new_tokens)
+            finally:
+                paused(systems, name, False)
             assert outputs == results[name][0], f"{name}: greedy outputs changed between runs"
             results[name][1].append(seconds)
             results[name][2].append(cpu)
