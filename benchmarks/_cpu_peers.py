@@ -66,7 +66,8 @@ class VllmPeer:
 
         self._json = json
         self.proc = subprocess.Popen([python, str(HERE / "_vllm_peer.py"), str(hf_dir), str(threads), str(max_len)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": str(threads)})
         if not self._read().get("ready"):
             raise SystemExit("vLLM did not start")
 
@@ -179,6 +180,9 @@ def measure(args, systems: dict, prompts, new_tokens: int) -> dict:
 
 def cpu_peer_workload(args) -> None:
     config, n_requests = MODELS[args.model]
+    if int(os.environ.get("OMP_NUM_THREADS", max(args.threads))) < max(args.threads):
+        print(f"warning: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} caps this process's OpenMP below "
+              f"--threads {max(args.threads)}: run without it")
     hf_dir, gguf, model = prepare(args)
     unpacked = copy.deepcopy(model)  # before any engine packs `model` in place
     rng = random.Random(args.seed)

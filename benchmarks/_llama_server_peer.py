@@ -15,6 +15,7 @@ Build the binary from llama.cpp's source (the llama-cpp-python sdist ships it un
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import time
@@ -41,7 +42,8 @@ class LlamaServer:
                "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * slot_len),
                "-b", "512", "-ub", "512", "-fa", "off", "-ctk", "f32", "-ctv", "f32", "--cache-ram", "0",
                "-cb", "--no-warmup"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # ggml's OpenMP build honours a cap from the caller
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.slots = slots
         self._wait_healthy(timeout)
         self._ps = psutil.Process(self.proc.pid)
