@@ -44,6 +44,7 @@ import time
 
 import torch
 from _common import add_common_args, add_serving_args, apply_common_args, time_call, time_interleaved
+from _cpu_peers import check_peers, cpu_peer_workload
 from _generate_batch_peer import ForwardTimer, hf_peer_workload, warm_up
 from bench_structured import add_arguments as add_structured_arguments  # a sibling file: benchmarks/ is on sys.path
 from bench_structured import structured_workload
@@ -54,7 +55,8 @@ from mini_transformer.engine import EngineConfig, LLMEngine
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                conflict_handler="resolve")  # --threads: redefined below to take a list
     add_serving_args(p, max_len=256)
     p.add_argument("--static-batch", type=int, default=8)
     p.add_argument("--prefix-requests", type=int, default=32)
@@ -65,6 +67,8 @@ def parse_args(argv=None):
                    choices=["one-at-a-time", "static", "engine"], help="engine is always run")
     p.add_argument("--seed", type=int, default=0)
     add_common_args(p, threads=1, plot="draw the block pool over time to this PNG")  # 1 thread: a busy machine
+    p.add_argument("--threads", type=int, nargs="+", default=[1],
+                   help="torch CPU threads (one value; the CPU-peer runs take several, a table row each)")
     p.add_argument("--sampled", action="store_true", help="also: sampled vs greedy engine tokens/s, and a profile")
     p.add_argument("--structured", action="store_true",
                    help="also: half the requests JSON-schema constrained vs none (bench_structured.py)")
@@ -80,11 +84,25 @@ def parse_args(argv=None):
                         "48 prompts of 16-256 tokens, 64 greedy tokens each, ours vs model.generate_batch, "
                         "alternating, with the host share of our steps")
     p.add_argument("--profile", action="store_true", help="--hf-peer: also profile one engine run (torch.profiler)")
+    p.add_argument("--vllm-peer", nargs="?", const="", metavar="PYTHON",
+                   help="only the CPU-peer comparison (_cpu_peers.py), with vLLM's CPU build: a Python that "
+                        "imports vllm (default $VLLM_VENV/bin/python)")
+    p.add_argument("--llama-server-peer", nargs="?", const="", metavar="BINARY",
+                   help="only the CPU-peer comparison, with llama.cpp's llama-server (default $LLAMA_SERVER, "
+                        "or on PATH)")
+    p.add_argument("--model", default="small", choices=["small", "125m"],
+                   help="CPU peers: Llama 6x384 vocab 8192 (48 requests) or the 125M Llama (16 requests)")
+    p.add_argument("--peer-rounds", type=int, default=3, help="CPU peers: timed rounds per system, alternating")
     p.add_argument("--quick", action="store_true",
                    help="a small run (16 requests of 16-64 tokens, 8 prefix requests on a 64-token prefix)")
     args = p.parse_args(argv)
     if args.quick:
         args.requests, args.max_len, args.prefix_requests, args.prefix_len = 16, 64, 8, 64
+    args.cpu_peers = args.vllm_peer is not None or args.llama_server_peer is not None
+    if not args.cpu_peers:
+        if len(args.threads) != 1:
+            p.error("--threads takes several values only with --vllm-peer / --llama-server-peer")
+        args.threads = args.threads[0]
     return args
 
 
@@ -385,6 +403,11 @@ def plot(path, main_record, prefix_record, args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.cpu_peers:
+        check_peers(args)
+        with torch.inference_mode():
+            cpu_peer_workload(args)
+        return
     apply_common_args(args)
     if args.hf_peer:
         with torch.inference_mode():

@@ -52,15 +52,16 @@ def llama_python(args) -> str | None:
     return None
 
 
-def write_model(root: Path) -> Path:
-    """The random Llama as a Hugging Face directory, with a small byte-level BPE tokenizer (the converter
-    wants one; the ids above its size are padded by the converter; timing feeds ids, never text)."""
+def write_model(root: Path, config: dict = LLAMA) -> Path:
+    """The random Llama (`config`: LlamaConfig's fields) as a Hugging Face directory, with a small byte-level
+    BPE tokenizer (the converter wants one; the ids above its size are padded by the converter; timing
+    feeds ids, never text)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**LLAMA, bos_token_id=1, eos_token_id=2)).save_pretrained(root)
+    LlamaForCausalLM(LlamaConfig(**config, bos_token_id=1, eos_token_id=2)).save_pretrained(root)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -7,6 +7,8 @@ The pool's size is `num_blocks`, or as many blocks as fit in `kv_cache_bytes`, o
 memory; `pool_blocks` turns it into a block count once the engine knows the model (bytes per block).
 `enforce_eager=True` runs every step eagerly: no CUDA graphs on a GPU, no torch.compile on the CPU (vLLM's
 name for the same switch; the C++ paged decode kernel is no compiled graph and still runs).
+`pack_linear_weights=True` (on the CPU at fp32) runs every nn.Linear through oneDNN with its weight
+packed once (model/packed_linear.py), as vLLM's CPU backend does; False keeps `aten::mm`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # new tokens per step at most (decode tokens + prefill chunks)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs, no compiled decode attention
+    pack_linear_weights: bool = True  # CPU fp32: the model's Linears read oneDNN-packed weights
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -46,7 +49,7 @@ class EngineConfig:
                 positive_int(name, getattr(self, name))
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
-        for name in ("enable_prefix_caching", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enforce_eager", "pack_linear_weights"):
             boolean(name, getattr(self, name))
 
     def pool_blocks(self, block_bytes: int, max_seq_len: int, device: torch.device) -> int:

@@ -80,7 +80,8 @@ class LLMEngine:
         self._structured: StructuredOutputManager | None = None  # built at the first constrained request
         self._structured_lock = threading.Lock()  # check_request may build it from a server's HTTP thread
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.enforce_eager)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, config.enforce_eager,
+                                  config.pack_linear_weights)
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.bind(model, self.runner.kv_cache, config.block_size)

@@ -14,7 +14,9 @@ The step's inputs are built on the host from Python lists and numpy (block table
 `BlockTable`), and reach the device in two copies (ids/positions/logit rows, and the attention metadata),
 pinned and non_blocking on CUDA. On CUDA a decode-only step replays a captured CUDA graph (cuda_graphs.py)
 unless `enforce_eager`. The paged attention is chosen once, here (`self.attention`): on the CPU its decode
-is the C++ paged kernel (attention/paged_cpu.py), on the `triton` backend the Triton kernel.
+is the C++ paged kernel (attention/paged_cpu.py), on the `triton` backend the Triton kernel. On the CPU at
+fp32 the model's Linears are packed for oneDNN (model/packed_linear.py) unless `pack_linear_weights=False`:
+a step's few dozen rows through a weight cost far less than through `aten::mm`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from ..attention.paged import PagedAttention, PagedAttentionMetadata, paged_attention_for
 from ..config import TransformerConfig
+from ..model.packed_linear import pack_linears
 from ..model.transformer import Attend, TransformerLM
 from .block_table import BlockTable
 from .cuda_graphs import DecodeGraphs
@@ -50,9 +53,11 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, model: TransformerLM, num_blocks: int, block_size: int, max_num_seqs: int = 64,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, pack_linear_weights: bool = True):
         cfg = model.config
         weight = model.tok_emb.weight
+        if pack_linear_weights and weight.device.type == "cpu" and weight.dtype == torch.float32:
+            pack_linears(model)  # in place over the same parameters: the model stays one model
         self.model, self.block_size = model, block_size
         assert all(m.backend == cfg.attn_backend for m in model.modules() if isinstance(m, Attend)), \
             "every layer must attend with the configured backend: the paged attention is chosen once"
