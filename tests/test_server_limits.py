@@ -18,7 +18,7 @@ from server_support import make_char_checkpoint, running_server, slowed_engine
 
 from mini_transformer.engine import EngineConfig
 from mini_transformer.server.limits import Limits, nesting_depth, parse_body
-from mini_transformer.server.protocol import ErrorResponse
+from mini_transformer.server.protocol import MAX_CHAT_MESSAGES, ErrorResponse
 
 MODEL = "tiny"
 HEALTH_BOUND_S = 1.0
@@ -128,6 +128,23 @@ def test_a_large_body_is_parsed_while_health_answers(served):
                                                             headers={"content-type": "application/json"}))
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
     assert len(times) > 1 and max(times) < HEALTH_BOUND_S, times
+
+
+def test_a_chat_of_too_many_messages_is_refused_while_health_answers(served):
+    """Tens of thousands of chat messages in one body: each would become a model object holding the GIL;
+    the list is refused past MAX_CHAT_MESSAGES, on the worker, while /health answers."""
+    messages = [{"role": "user", "content": "hi"}] * 60_000
+    body = json.dumps({"model": MODEL, "max_tokens": 1, "messages": messages}).encode()
+    assert len(body) <= served.ctx.limits.max_body_bytes
+    response, times = health_while(served, lambda c: c.post("/v1/chat/completions", content=body,
+                                                            headers={"content-type": "application/json"}))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages", response.text
+    assert str(MAX_CHAT_MESSAGES) in response.json()["error"]["message"]
+    assert len(times) > 1 and max(times) < HEALTH_BOUND_S, times
+    few = {"model": MODEL, "max_tokens": 1, "messages": messages[:MAX_CHAT_MESSAGES]}
+    response = httpx.post(served.url + "/v1/chat/completions", json=few, timeout=60)  # at the cap: not refused for it
+    assert response.status_code == 200 or str(MAX_CHAT_MESSAGES) not in response.json()["error"]["message"], \
+        response.text
 
 
 def test_bodies_are_validated_as_before(served):

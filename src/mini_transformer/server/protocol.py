@@ -35,6 +35,9 @@ class ErrorResponse(Exception):
 MAX_N = 128  # choices per prompt (vLLM accepts this many too)
 MAX_STOP_STRINGS = 64  # a sane cap: each is searched for after every token
 MAX_STOP_LENGTH = 256  # characters; the longest one is held back from a stream until it cannot be a stop
+# messages per chat request: pydantic builds each one holding the GIL, and a body of tens of thousands
+# would hold the event loop; validation stops at the first one past the cap
+MAX_CHAT_MESSAGES = 4096
 MAX_LOGPROBS = 20  # alternatives per token (vLLM's default max_logprobs; OpenAI's chat allows 20)
 # seeds: torch's int64 range (choice j draws with seed + j), its top cut to 2**63 - 1024, the largest
 # integer below 2**63 that a double holds exactly (schema tools compare bounds as doubles)
@@ -216,7 +219,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_CHAT_MESSAGES, fail_fast=True)]
     max_completion_tokens: Int(ge=1) | None = None
     logprobs: bool = False
     top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
