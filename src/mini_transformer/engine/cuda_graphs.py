@@ -1,8 +1,8 @@
 """CUDA graphs for decode-only steps (nano-vllm's capture_cudagraph, vLLM's cudagraph capture sizes).
 
 On a GPU a small model's decode step is a few hundred tiny kernels; launching each costs the host
-microseconds, often more than the kernel itself runs (docs/08a §1c). A CUDA graph records the whole forward pass once and
-then launches it with ONE call. A graph replays fixed shapes at fixed addresses, so:
+microseconds, often more than the kernel itself runs (docs/08a §1c). A CUDA graph records the whole forward pass
+once and then launches it with ONE call. A graph replays fixed shapes at fixed addresses, so:
 
   - one graph per batch-size bucket (1, 2, 4, 8, 16, 32, ...): a step of S decode rows runs the
     smallest bucket >= S, its extra rows padding;
