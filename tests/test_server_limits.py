@@ -17,7 +17,7 @@ from pydantic import BaseModel, BeforeValidator, TypeAdapter
 from server_support import make_char_checkpoint, running_server, slowed_engine
 
 from mini_transformer.engine import EngineConfig
-from mini_transformer.server.limits import Limits, nesting_depth, parse_body
+from mini_transformer.server.limits import Limits, Workers, nesting_depth, parse_body
 from mini_transformer.server.protocol import MAX_CHAT_MESSAGES, ErrorResponse
 
 MODEL = "tiny"
@@ -227,6 +227,23 @@ def test_the_garbage_collector_is_paused_while_a_body_is_parsed():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_shutdown_waits_for_running_work_and_drops_queued_work():
+    """A compile still running when the server stops (its first one imports xgrammar for seconds) is
+    finished before shutdown returns, so no thread of the server outlives it; queued work never starts."""
+    workers, started, finished = Workers(Limits(workers=1)), threading.Event(), []
+
+    def slow(name):
+        started.set()
+        time.sleep(0.3)
+        finished.append(name)
+
+    workers.compile_pool.submit(slow, "running")
+    workers.compile_pool.submit(slow, "queued")
+    assert started.wait(10)
+    workers.shutdown()
+    assert finished == ["running"]
 
 
 def _depth(value) -> int:

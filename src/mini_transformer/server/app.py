@@ -85,7 +85,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
         finally:
             ctx.engine_loop.draining = True
             await asyncio.to_thread(ctx.engine_loop.shutdown)
-            ctx.workers.shutdown()
+            await asyncio.to_thread(ctx.workers.shutdown)
             if ctx.engine_loop.engine.kv_events is not None:
                 await asyncio.to_thread(ctx.engine_loop.engine.kv_events.close)
 

@@ -84,8 +84,10 @@ class Workers:
                                      "(--grammar-compile-timeout); send a smaller constraint", param=what) from None
 
     def shutdown(self) -> None:
+        """Queued work is dropped; work already running (a compile, the first one's import of xgrammar) is
+        waited for, so no thread of the server outlives it."""
         for pool in (self.pool, self.compile_pool):
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 class _PausedCollector:
