@@ -15,8 +15,10 @@ from test_quantize import reference_in_float64
 
 from mini_transformer import _native
 from mini_transformer.attention.paged import paged_decode_attention
+from mini_transformer.model import fused_ops
 from mini_transformer.model.float_gemv import DTYPES, float_gemv_reference
 from mini_transformer.model.quantize import Int4Linear
+from mini_transformer.model.rope import apply_rope
 
 
 def test_the_build_name_follows_the_source_and_the_torch_install(monkeypatch):
@@ -108,6 +110,20 @@ def test_portable_one_query_equals_float64(portable, threads, B, H, Hkv, Tk, D, 
     want, want_lse = exact_one_query(q, k, v, keep, D ** -0.5)
     assert (out.double() - want).abs().max() <= 16 * torch.finfo(torch.float32).eps * v.abs().max()
     assert (lse.double() - want_lse).abs().max() <= 1e-5 * (1 + want_lse.abs().max())
+
+
+def test_portable_fused_ops_equal_their_references(portable):
+    """The fused per-token kernels, plain C++ only: the same path with AVX-512 off."""
+    torch.manual_seed(0)
+    ops = portable.mt_fused_portable
+    x, w = torch.randn(37, 389) * 3, torch.randn(389)
+    qkv, cos, sin = torch.randn(2, 45, 7, 34).transpose(1, 2), torch.randn(1, 1, 45, 34), torch.randn(1, 1, 45, 34)
+    tol = dict(rtol=8 * torch.finfo(torch.float32).eps, atol=1e-30)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), fused_ops.rms_norm_reference(x, w, 1e-6), **tol)
+    torch.testing.assert_close(ops.rope(qkv[:, :5], cos, sin), apply_rope(qkv[:, :5], cos, sin), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ops.silu_mul(x, x.flip(0)), fused_ops.silu_mul_reference(x, x.flip(0)), **tol)
+    logits = torch.randint(-4, 4, (9, 1001)).float()  # ties: the first maximum wins
+    assert torch.equal(ops.argmax(logits), logits.argmax(-1))
 
 
 def test_portable_kernels_same_bits_on_1_and_2_threads(portable):

@@ -22,7 +22,7 @@ __all__ = ["CSRC", "ENABLE_VARIABLE", "KERNEL_SOURCES", "build", "build_portable
 
 CSRC = Path(__file__).parent / "csrc"
 ENABLE_VARIABLE = "MINI_TRANSFORMER_NATIVE_KERNELS"  # "0": every kernel module runs its PyTorch reference
-KERNEL_SOURCES = ("float_gemv.cpp", "int4_gemv.cpp", "paged_decode.cpp", "one_query.cpp")
+KERNEL_SOURCES = ("float_gemv.cpp", "int4_gemv.cpp", "paged_decode.cpp", "one_query.cpp", "fused_ops.cpp")
 
 _built: dict[str, bool] = {}
 
@@ -102,8 +102,8 @@ def build(prefix: str, source: str, what: str, fakes: dict[str, Callable] | None
 
 def build_portable() -> bool:
     """Every kernel's portable path in one extension (AVX-512 off), its operators named mt_float_portable::gemv,
-    mt_gemv_portable::int4, mt_paged_portable::decode, mt_one_query_portable::attend: one compile, loadable
-    beside the ordinary build."""
+    mt_gemv_portable::int4, mt_paged_portable::decode, mt_one_query_portable::attend, mt_fused_portable::*: one
+    compile, loadable beside the ordinary build."""
     if "portable" not in _built:
         _built["portable"] = _load("mt_portable", KERNEL_SOURCES, "portable", portable=True)
     return _built["portable"]

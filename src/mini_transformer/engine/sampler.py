@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..inference.sampling import apply_presence_frequency, repetition_penalised, sorted_descending, top_p_cut
+from ..model.fused_ops import argmax_rows
 from .batch_plan import BatchPlan, Penalties, SampledRows, TokenCounts
 from .logprobs import LogprobsTensors, Sampled, to_device
 from .sequence import Sequence
@@ -111,7 +112,7 @@ class Sampler:
         if plan.any_constrained:  # after the penalties, before argmax and the filters
             x = self.grammar.apply(raw.clone() if x is raw else x, seqs)  # raw stays raw for the logprobs
         sampled = plan.sampled
-        ids = x.argmax(dim=-1) if sampled is None or sampled.index is not None else None  # (M,); greedy rows keep it
+        ids = argmax_rows(x) if sampled is None or sampled.index is not None else None  # (M,); greedy rows keep it
         if sampled is not None:
             index = sampled.index  # None: every row draws
             probs = torch.softmax(filtered(x if index is None else x[index], sampled), dim=-1)  # (S, V)

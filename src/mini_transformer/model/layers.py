@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..config import TransformerConfig
+from .fused_ops import rms_norm, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -22,9 +22,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (self.weight * x32.to(x.dtype)).to(x.dtype)  # weight * normalised, as HF Llama rounds it
+        return rms_norm(x, self.weight, self.eps)  # one pass on the CPU at inference (fused_ops.py)
 
 
 class MLP(nn.Module):
@@ -54,4 +52,4 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))  # (B, T, d_ff) -> (B, T, C)
+        return self.w_down(silu_mul(self.w_gate(x), self.w_up(x)))  # (B, T, d_ff) -> (B, T, C)

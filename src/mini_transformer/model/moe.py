@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import TransformerConfig
+from .fused_ops import silu_mul
 from .layers import MLP, SwiGLU
 
 ACTIVATIONS = {"gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "relu": nn.ReLU}
@@ -137,7 +138,7 @@ class Experts(nn.Module):
     def _ffn(self, apply, x):
         """The expert FFN with `apply(linear, h)` standing for each of its ExpertLinears."""
         if self.gated:
-            hidden = F.silu(apply(self.w_gate, x)) * apply(self.w_up, x)  # (R, d_ff)
+            hidden = silu_mul(apply(self.w_gate, x), apply(self.w_up, x))  # (R, d_ff)
             return apply(self.w_down, hidden)  # (R, d_ff) -> (R, C)
         return apply(self.fc2, self.activation(apply(self.fc1, x)))
 

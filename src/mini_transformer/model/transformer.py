@@ -13,11 +13,12 @@ from .._checks import instance
 from ..attention import check_backend, get_backend
 from ..checkpoint import read_checkpoint, write_checkpoint
 from ..config import TransformerConfig
+from . import fused_ops
 from .cache import Cache, CheckedCache, NoCache
 from .layers import MLP, RMSNorm, SwiGLU
 from .moe import MoE, moe_aux_loss
 from .quantize import quantize
-from .rope import RotaryEmbedding, apply_rope, sinusoidal_table
+from .rope import RotaryEmbedding, sinusoidal_table
 
 
 def dropout(p: float) -> nn.Module:
@@ -103,7 +104,7 @@ class MultiHeadAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:  # RoPE turns q and k by their positions; v carries content only
             cos, sin = rope  # (B, 1, T, D)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = fused_ops.rope(q, cos, sin), fused_ops.rope(k, cos, sin)
         out = cache.attend(self.layer_idx, q, k, v, self.attend)  # (B, H, T, D): keys kept, then attended
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D): heads concatenated again
         return self.W_o(out)
