@@ -1,6 +1,6 @@
-// What both CPU attention kernels share (paged_decode.cpp and one_query.cpp): dot, weighted_sum, the online
-// softmax step and attend_tile, one tile of keys through them; fp32 arithmetic for fp32 / bf16 / fp16 keys
-// and values. Each of the three inner loops has a generic path in plain C++ (below) and an AVX-512 one
+// What both CPU attention kernels share (paged_decode.cpp and one_query.cpp): scores_tile, weighted_sum, the
+// online softmax step and attend_tile, one tile of keys through them; fp32 arithmetic for fp32 / bf16 / fp16
+// keys and values. Each inner loop has a generic path in plain C++ (below) and an AVX-512 one
 // (attention_tile_avx512.h), chosen by the compiler's own __AVX512F__.
 #pragma once
 #include <ATen/ATen.h>
@@ -30,6 +30,19 @@ static inline float dot_generic(const float* q, const T* k, int64_t D) {
   for (; d < D; ++d) sum += q[d] * static_cast<float>(k[d]);
   for (int l = 0; l < kLanes; ++l) sum += lanes[l];
   return sum;
+}
+
+// scores (heads, tile) of n keys: query head i's q . k, where k is the part (i / group) * D of key t's row
+// k_base + rows[t], plus bias[t] where not null; each key row read once for all its query heads
+template <typename T>
+static inline void scores_tile_generic(const float* q, const T* k_base, const int64_t* rows, const float* bias,
+                                       int64_t n, int64_t heads, int64_t group, int64_t D, float* scores,
+                                       int64_t tile) {
+  for (int64_t t = 0; t < n; ++t) {
+    const T* k = k_base + rows[t];
+    const float b = bias ? bias[t] : 0.f;
+    for (int64_t i = 0; i < heads; ++i) scores[i * tile + t] = dot_generic(q + i * D, k + (i / group) * D, D) + b;
+  }
 }
 
 // acc (D) += sum_t p[t] * v_t over n rows, v_t = v_base + rows[t] + offset; 64 floats of acc at a time are
@@ -98,31 +111,39 @@ static inline bool attention_tile_vectorized() {
 
 #ifdef ATTENTION_TILE_AVX512
 template <typename T>
-static inline float dot(const float* q, const T* k, int64_t D) { return dot_avx512(q, k, D); }
+static inline void scores_tile(const float* q, const T* k_base, const int64_t* rows, const float* bias, int64_t n,
+                               int64_t heads, int64_t group, int64_t D, float* scores, int64_t tile) {
+  scores_tile_avx512(q, k_base, rows, bias, n, heads, group, D, scores, tile);
+}
 template <typename T>
 static inline void weighted_sum(float* acc, const float* p, const T* v_base, const int64_t* rows, int64_t offset,
                                 int64_t n, int64_t D) {
   weighted_sum_avx512(acc, p, v_base, rows, offset, n, D);
 }
 static inline float exp_and_sum(float* x, int64_t n, float max) { return exp_and_sum_avx512(x, n, max); }
+static inline float max_of(const float* x, int64_t n) { return max_avx512(x, n); }
 #else
 template <typename T>
-static inline float dot(const float* q, const T* k, int64_t D) { return dot_generic(q, k, D); }
+static inline void scores_tile(const float* q, const T* k_base, const int64_t* rows, const float* bias, int64_t n,
+                               int64_t heads, int64_t group, int64_t D, float* scores, int64_t tile) {
+  scores_tile_generic(q, k_base, rows, bias, n, heads, group, D, scores, tile);
+}
 template <typename T>
 static inline void weighted_sum(float* acc, const float* p, const T* v_base, const int64_t* rows, int64_t offset,
                                 int64_t n, int64_t D) {
   weighted_sum_generic(acc, p, v_base, rows, offset, n, D);
 }
 static inline float exp_and_sum(float* x, int64_t n, float max) { return exp_and_sum_generic(x, n, max); }
+static inline float max_of(const float* x, int64_t n) { return *std::max_element(x, x + n); }
 #endif
 
 // The online softmax's step for one query head and one block of scores x (n,): x becomes exp(x - m'),
 // the running max m becomes m', the running sum l takes the block's weights; returns exp(m - m'), the factor
 // by which everything accumulated before this block must shrink.
 static inline float online_softmax_step(float* x, int64_t n, float& m, float& l) {
-  const float new_m = std::max(m, *std::max_element(x, x + n));
+  const float new_m = std::max(m, max_of(x, n));
   const float sum = exp_and_sum(x, n, new_m);
-  const float rescale = std::exp(m - new_m);  // 0 for the first block (m = -inf)
+  const float rescale = m == new_m ? 1.f : std::exp(m - new_m);  // 0 for the first block (m = -inf)
   l = l * rescale + sum;
   m = new_m;
   return rescale;
@@ -137,11 +158,7 @@ template <typename T>
 static void attend_tile(const float* q, const T* k_base, const T* v_base, const int64_t* rows, const float* bias,
                         int64_t n, int64_t heads, int64_t group, int64_t D, float* m, float* l, float* acc,
                         float* scores, int64_t tile) {
-  for (int64_t t = 0; t < n; ++t) {  // scores (heads, n): each key row read once for all its query heads
-    const T* k = k_base + rows[t];
-    const float b = bias ? bias[t] : 0.f;
-    for (int64_t i = 0; i < heads; ++i) scores[i * tile + t] = dot(q + i * D, k + (i / group) * D, D) + b;
-  }
+  scores_tile(q, k_base, rows, bias, n, heads, group, D, scores, tile);  // scores (heads, n)
   for (int64_t i = 0; i < heads; ++i) {  // scores -> weights; shrink what came before if the max grew
     const float rescale = online_softmax_step(scores + i * tile, n, m[i], l[i]);
     if (rescale != 1.f)

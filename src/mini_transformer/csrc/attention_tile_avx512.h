@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace {
@@ -29,15 +31,56 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, k);
 }
 
-// q . k over D, q already fp32: 16 lanes, then the tail one value at a time
+// 16 vectors -> one: lane j of the result is the sum of v[j]'s 16 lanes. A transpose-and-add tree: each level
+// shuffles pairs of vectors so that their halves line up, then adds them, halving the vector count (16 -> 8 -> 4
+// -> 2 -> 1) and the lanes each sum still spans; 45 instructions for 16 sums, where 16 horizontal reductions
+// would take ~8 each, one after the other.
+static inline __m512 sum16x16(const __m512* v) {
+  __m512 two[8], four[4];
+  for (int j = 0; j < 8; ++j)  // in each 4-lane group: v[2j] lanes 0+2, v[2j+1] 0+2, v[2j] 1+3, v[2j+1] 1+3
+    two[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {  // in each 4-lane group: the group's sums of v[4j], ..., v[4j + 3]
+    const __m512d a = _mm512_castps_pd(two[2 * j]), b = _mm512_castps_pd(two[2 * j + 1]);
+    four[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // then across the four 4-lane groups: groups 0 + 1 and 2 + 3 (0x88 picks groups 0, 2 of each, 0xDD 1, 3)
+  const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(four[0], four[1], 0x88),
+                                  _mm512_shuffle_f32x4(four[0], four[1], 0xDD));
+  const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(four[2], four[3], 0x88),
+                                  _mm512_shuffle_f32x4(four[2], four[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
+}
+
+// scores (heads, tile) of n keys, 16 keys at a time per query head: 16 independent sums (no FMA waits on
+// the one before), one per key, reduced together by sum16x16. Key rows past n repeat the chunk's first (real
+// rows, their scores never stored). The tail past the last 16 floats of D goes one value at a time.
 template <typename T>
-static inline float dot_avx512(const float* q, const T* k, int64_t D) {
-  int64_t d = 0;
-  __m512 acc = _mm512_setzero_ps();
-  for (; d + 16 <= D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
-  float sum = _mm512_reduce_add_ps(acc);
-  for (; d < D; ++d) sum += q[d] * static_cast<float>(k[d]);
-  return sum;
+static inline void scores_tile_avx512(const float* q, const T* k_base, const int64_t* rows, const float* bias,
+                                      int64_t n, int64_t heads, int64_t group, int64_t D, float* scores,
+                                      int64_t tile) {
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int64_t width = std::min<int64_t>(16, n - t0);
+    const __mmask16 live = width == 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
+    const T* k[16];  // the chunk's key rows
+    for (int j = 0; j < 16; ++j) k[j] = k_base + rows[t0 + (j < width ? j : 0)];
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + t0) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < heads; ++i) {
+      const float* qi = q + i * D;
+      const int64_t kv = (i / group) * D;  // where this head's kv head starts in a row
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+      int64_t d = 0;
+      for (; d + 16 <= D; d += 16) {
+        const __m512 qd = _mm512_loadu_ps(qi + d);
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qd, load16(k[j] + kv + d), acc[j]);
+      }
+      float tail[16] = {};
+      for (; d < D; ++d)
+        for (int64_t j = 0; j < width; ++j) tail[j] += qi[d] * static_cast<float>(k[j][kv + d]);
+      const __m512 s = _mm512_add_ps(_mm512_add_ps(sum16x16(acc), _mm512_loadu_ps(tail)), b);
+      _mm512_mask_storeu_ps(scores + i * tile + t0, live, s);
+    }
+  }
 }
 
 // acc (D) += sum_t p[t] * v_t over n rows, v_t = v_base + rows[t] + offset. 64 floats of acc at a time stay in
@@ -68,6 +111,16 @@ static inline void weighted_sum_avx512(float* acc, const float* p, const T* v_ba
   }
   for (; d < D; ++d)
     for (int64_t t = 0; t < n; ++t) acc[d] += p[t] * static_cast<float>(v_base[rows[t] + offset + d]);
+}
+
+// the largest of x (n,), 16 at a time, the lanes past n masked off
+static inline float max_avx512(const float* x, int64_t n) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 live = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+    m = _mm512_mask_max_ps(m, live, m, _mm512_maskz_loadu_ps(live, x + t));
+  }
+  return _mm512_reduce_max_ps(m);
 }
 
 // x (n,) -> exp(x - max), 16 scores at a time, the lanes past n masked off; returns their sum
