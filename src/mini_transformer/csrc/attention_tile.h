@@ -116,9 +116,9 @@ static inline void scores_tile(const float* q, const T* k_base, const int64_t* r
   scores_tile_avx512(q, k_base, rows, bias, n, heads, group, D, scores, tile);
 }
 template <typename T>
-static inline void weighted_sum(float* acc, const float* p, const T* v_base, const int64_t* rows, int64_t offset,
-                                int64_t n, int64_t D) {
-  weighted_sum_avx512(acc, p, v_base, rows, offset, n, D);
+static inline void weighted_sum(float* acc, const float* p, int64_t tile, int64_t heads, const T* v_base,
+                                const int64_t* rows, int64_t offset, int64_t n, int64_t D) {
+  weighted_sum_avx512(acc, p, tile, heads, v_base, rows, offset, n, D);
 }
 static inline float exp_and_sum(float* x, int64_t n, float max) { return exp_and_sum_avx512(x, n, max); }
 static inline float max_of(const float* x, int64_t n) { return max_avx512(x, n); }
@@ -129,9 +129,9 @@ static inline void scores_tile(const float* q, const T* k_base, const int64_t* r
   scores_tile_generic(q, k_base, rows, bias, n, heads, group, D, scores, tile);
 }
 template <typename T>
-static inline void weighted_sum(float* acc, const float* p, const T* v_base, const int64_t* rows, int64_t offset,
-                                int64_t n, int64_t D) {
-  weighted_sum_generic(acc, p, v_base, rows, offset, n, D);
+static inline void weighted_sum(float* acc, const float* p, int64_t tile, int64_t heads, const T* v_base,
+                                const int64_t* rows, int64_t offset, int64_t n, int64_t D) {
+  for (int64_t h = 0; h < heads; ++h) weighted_sum_generic(acc + h * D, p + h * tile, v_base, rows, offset, n, D);
 }
 static inline float exp_and_sum(float* x, int64_t n, float max) { return exp_and_sum_generic(x, n, max); }
 static inline float max_of(const float* x, int64_t n) { return *std::max_element(x, x + n); }
@@ -151,7 +151,8 @@ static inline float online_softmax_step(float* x, int64_t n, float& m, float& l)
 
 // One tile of n keys through the online softmax, for `heads` query heads q (heads, D) fp32 pre-scaled, each
 // with its state m, l, acc (D). Key t's K row starts at k_base + rows[t] and its V row at v_base + rows[t];
-// query head i reads the part (i / group) * D of them; bias (n,) is added to the scores where not null.
+// query head i reads the part (i / group) * D of them (heads a multiple of group); bias (n,) is added to the
+// scores where not null.
 // Both kernels walk their keys tile by tile through this: the paged one a block, the contiguous one a run
 // of unmasked keys.
 template <typename T>
@@ -164,8 +165,8 @@ static void attend_tile(const float* q, const T* k_base, const T* v_base, const 
     if (rescale != 1.f)
       for (int64_t d = 0; d < D; ++d) acc[i * D + d] *= rescale;
   }
-  for (int64_t i = 0; i < heads; ++i)  // acc += weights @ V (the tile's V rows stay in L1 across the heads)
-    weighted_sum(acc + i * D, scores + i * tile, v_base, rows, (i / group) * D, n, D);
+  for (int64_t i = 0; i < heads; i += group)  // acc += weights @ V, the group's query heads over their V rows
+    weighted_sum(acc + i * D, scores + i * tile, tile, group, v_base, rows, (i / group) * D, n, D);
 }
 
 }  // namespace

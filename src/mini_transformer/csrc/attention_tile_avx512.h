@@ -83,34 +83,57 @@ static inline void scores_tile_avx512(const float* q, const T* k_base, const int
   }
 }
 
-// acc (D) += sum_t p[t] * v_t over n rows, v_t = v_base + rows[t] + offset. 64 floats of acc at a time stay in
-// registers for all n rows (written back once, not once per row: a store-then-load of acc per row would be the
-// loop's critical path).
-template <typename T>
-static inline void weighted_sum_avx512(float* acc, const float* p, const T* v_base, const int64_t* rows,
-                                       int64_t offset, int64_t n, int64_t D) {
+// acc (G, D) += p (G, tile) @ V over n rows for G query heads of one kv head, v_t = v_base + rows[t] + offset.
+// Each 16 floats of a V row are loaded once for all G heads, and 64 floats of each head's acc stay in registers
+// for all n rows (written back once, not once per row: a store-then-load of acc per row would be the loop's
+// critical path); G <= 4, so 4 x G sums, the row's 4 vectors and G weights fit the 32 registers.
+template <int G, typename T>
+static inline void weighted_sum_heads_avx512(float* acc, const float* p, int64_t tile, const T* v_base,
+                                             const int64_t* rows, int64_t offset, int64_t n, int64_t D) {
   int64_t d = 0;
   for (; d + 64 <= D; d += 64) {
-    __m512 a0 = _mm512_loadu_ps(acc + d), a1 = _mm512_loadu_ps(acc + d + 16), a2 = _mm512_loadu_ps(acc + d + 32),
-           a3 = _mm512_loadu_ps(acc + d + 48);
+    __m512 a[G][4];
+    for (int h = 0; h < G; ++h)
+      for (int j = 0; j < 4; ++j) a[h][j] = _mm512_loadu_ps(acc + h * D + d + 16 * j);
     for (int64_t t = 0; t < n; ++t) {
       const T* v = v_base + rows[t] + offset + d;
-      const __m512 pp = _mm512_set1_ps(p[t]);
-      a0 = _mm512_fmadd_ps(pp, load16(v), a0);
-      a1 = _mm512_fmadd_ps(pp, load16(v + 16), a1);
-      a2 = _mm512_fmadd_ps(pp, load16(v + 32), a2);
-      a3 = _mm512_fmadd_ps(pp, load16(v + 48), a3);
+      __m512 w[G];
+      for (int h = 0; h < G; ++h) w[h] = _mm512_set1_ps(p[h * tile + t]);
+      for (int j = 0; j < 4; ++j) {
+        const __m512 vj = load16(v + 16 * j);
+        for (int h = 0; h < G; ++h) a[h][j] = _mm512_fmadd_ps(w[h], vj, a[h][j]);
+      }
     }
-    _mm512_storeu_ps(acc + d, a0), _mm512_storeu_ps(acc + d + 16, a1);
-    _mm512_storeu_ps(acc + d + 32, a2), _mm512_storeu_ps(acc + d + 48, a3);
+    for (int h = 0; h < G; ++h)
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + h * D + d + 16 * j, a[h][j]);
   }
-  for (; d + 16 <= D; d += 16) {
-    __m512 a = _mm512_loadu_ps(acc + d);
-    for (int64_t t = 0; t < n; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), load16(v_base + rows[t] + offset + d), a);
-    _mm512_storeu_ps(acc + d, a);
-  }
+  for (; d + 16 <= D; d += 16)
+    for (int h = 0; h < G; ++h) {
+      __m512 a = _mm512_loadu_ps(acc + h * D + d);
+      for (int64_t t = 0; t < n; ++t)
+        a = _mm512_fmadd_ps(_mm512_set1_ps(p[h * tile + t]), load16(v_base + rows[t] + offset + d), a);
+      _mm512_storeu_ps(acc + h * D + d, a);
+    }
   for (; d < D; ++d)
-    for (int64_t t = 0; t < n; ++t) acc[d] += p[t] * static_cast<float>(v_base[rows[t] + offset + d]);
+    for (int h = 0; h < G; ++h)
+      for (int64_t t = 0; t < n; ++t)
+        acc[h * D + d] += p[h * tile + t] * static_cast<float>(v_base[rows[t] + offset + d]);
+}
+
+// weighted_sum_heads_avx512 for any number of query heads sharing the kv head at offset, 4 at a time
+template <typename T>
+static inline void weighted_sum_avx512(float* acc, const float* p, int64_t tile, int64_t heads, const T* v_base,
+                                       const int64_t* rows, int64_t offset, int64_t n, int64_t D) {
+  for (int64_t h = 0; h < heads; h += 4) {
+    float* a = acc + h * D;
+    const float* ph = p + h * tile;
+    switch (std::min<int64_t>(4, heads - h)) {
+      case 4: weighted_sum_heads_avx512<4>(a, ph, tile, v_base, rows, offset, n, D); break;
+      case 3: weighted_sum_heads_avx512<3>(a, ph, tile, v_base, rows, offset, n, D); break;
+      case 2: weighted_sum_heads_avx512<2>(a, ph, tile, v_base, rows, offset, n, D); break;
+      default: weighted_sum_heads_avx512<1>(a, ph, tile, v_base, rows, offset, n, D);
+    }
+  }
 }
 
 // the largest of x (n,), 16 at a time, the lanes past n masked off
