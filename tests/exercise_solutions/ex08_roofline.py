@@ -1,21 +1,24 @@
 """Exercise answered by the project's own counting: the model built on the meta device (nothing allocated),
-its bytes by benchmarks/_decode_roofline.py (`weight_bytes`, `kv_bytes_per_slot`), its FLOPs by
-benchmarks/bench_roofline.py's `step_cost`, the bound as bench_roofline.py's `roofline_rows` decides it."""
+its bytes by benchmarks/_decode_roofline.py (`weight_bytes`, `kv_bytes_per_slot`), its FLOPs as
+benchmarks/bench_roofline.py's `step_cost` counts them, the bound as bench_roofline.py's `roofline_rows`
+decides it."""
 
+import copy
 import sys
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 import torch.nn as nn
 
 from mini_transformer import TransformerConfig, TransformerLM
+from mini_transformer.model import rope
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from _decode_roofline import kv_bytes_per_slot  # noqa: E402
 from _decode_roofline import weight_bytes as project_weight_bytes  # noqa: E402
-from bench_roofline import step_cost  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -41,16 +44,29 @@ def config(m) -> TransformerConfig:
                              bias=False, tie_weights=False)
 
 
+def _empty_tables(length, d_head, theta=0.0):
+    return torch.empty(length, d_head), torch.empty(length, d_head)
+
+
+@cache
+def _meta_model(m):
+    """Shapes only: on meta, the random draws and the RoPE tables would still take seconds (decomposed op by
+    op) for values nobody reads."""
+    with (torch.device("meta"), patch.object(nn.init, "normal_", lambda tensor, *a, **k: tensor),
+          patch.object(rope, "rope_tables", _empty_tables)):
+        return TransformerLM(config(m))
+
+
 @cache
 def _model(m, bytes_per_value):
-    with torch.device("meta"):
-        return TransformerLM(config(m)).to(DTYPES[bytes_per_value])
+    return copy.deepcopy(_meta_model(m)).to(DTYPES[bytes_per_value])
 
 
 def linear_params(m):
     return sum(mod.weight.numel() for mod in _model(m, 4).modules() if isinstance(mod, nn.Linear))
 
 
+@cache
 def weight_bytes(m, bytes_per_value):
     return project_weight_bytes(_model(m, bytes_per_value))
 
@@ -59,8 +75,9 @@ def kv_bytes_per_token(m, bytes_per_value):
     return kv_bytes_per_slot(config(m), bytes_per_value)
 
 
-def step_flops(m, batch, context):
-    return int(step_cost(config(m), batch, context)[0])
+def step_flops(m, batch, context):  # step_cost's count, without building the model again for each call
+    cfg = config(m)
+    return batch * (2 * linear_params(m) + 4 * cfg.n_layer * cfg.n_heads * cfg.d_head * (context + 1))
 
 
 def step_bytes(m, batch, context, bytes_per_value):
