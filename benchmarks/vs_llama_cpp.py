@@ -14,6 +14,13 @@ Install llama.cpp's Python binding in a throwaway venv (it builds from source, ~
     uv venv "$LLAMA_VENV" && uv pip install --python "$LLAMA_VENV" llama-cpp-python gguf   # LLAMA_VENV: any folder
     LLAMA_PYTHON="$LLAMA_VENV/bin/python"
     python benchmarks/bench_decode_speed.py --vs-llama-cpp --llama-python "$LLAMA_PYTHON"
+
+On a CPU with AMX, a native build's AMX path for q8_0 / Q4_0 weights can crash while loading them (seen with
+llama-cpp-python 0.3.36); build it with every AVX-512 path and AMX left out (uv reuses a cached build unless
+told not to):
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+      -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON" uv pip install --no-cache --python "$LLAMA_VENV" llama-cpp-python
 """
 
 from __future__ import annotations
