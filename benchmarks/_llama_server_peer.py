@@ -18,6 +18,7 @@ import json
 import os
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +44,9 @@ class LlamaServer:
                "-b", "512", "-ub", "512", "-fa", "off", "-ctk", "f32", "-ctv", "f32", "--cache-ram", "0",
                "-cb", "--no-warmup"]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # ggml's OpenMP build honours a cap from the caller
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        # its log goes to a file: a pipe nobody reads fills after a few hundred requests and the server blocks
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True, env=env)
         self.slots = slots
         self._wait_healthy(timeout)
         self._ps = psutil.Process(self.proc.pid)
@@ -52,7 +55,8 @@ class LlamaServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise SystemExit(f"llama-server exited (rc {self.proc.returncode}):\n{self.proc.stderr.read()[-3000:]}")
+                self.log.seek(0)
+                raise SystemExit(f"llama-server exited (rc {self.proc.returncode}):\n{self.log.read()[-3000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -89,3 +93,4 @@ class LlamaServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=30)
+        self.log.close()
