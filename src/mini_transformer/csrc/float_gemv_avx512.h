@@ -15,6 +15,8 @@
 
 namespace {
 
+constexpr int kPrefetchBytes = 2048;  // how far ahead of the loads the weight stream is asked for
+
 struct F32 {
   using T = float;
   using V = __m512;
@@ -63,11 +65,16 @@ static void rows_avx512(const typename E::T* x, const typename E::T* w, const ty
     for (int m = 0; m < MR; ++m)
       for (int a = 0; a < A; ++a) acc[m][a] = _mm512_setzero_ps();
     int64_t k = 0;
-    for (; k + A * L <= K; k += A * L)  // full steps of A registers
+    for (; k + A * L <= K; k += A * L) {  // full steps of A registers
+      // ask for the weight stream kPrefetchBytes ahead (past this row's end: the next row follows it): the
+      // hardware prefetcher alone keeps too few lines in flight for one core to reach its share of the bandwidth
+      for (int line = 0; line < A * L * (int)sizeof(T); line += 64)
+        _mm_prefetch((const char*)(row + k) + kPrefetchBytes + line, _MM_HINT_T0);
       for (int a = 0; a < A; ++a) {
         const typename E::V wv = E::load(row + k + a * L, L);
         for (int m = 0; m < MR; ++m) acc[m][a] = E::madd(acc[m][a], E::load(x + m * K + k + a * L, L), wv);
       }
+    }
     for (; k < K; k += L) {  // the rest, one register at a time, the last one masked
       const int left = (int)std::min<int64_t>(L, K - k);
       const typename E::V wv = E::load(row + k, left);
