@@ -9,7 +9,8 @@ The kernel (csrc/float_gemv.cpp, built on first use by `_native.build`) does, fo
     y[m, n] = round( sum_k x[m, k] * W[n, k]  (+ bias[n]) )     the sum in fp32, rounded ONCE to x's dtype
 
   * W is read FRONT TO BACK, one row after the other: one sequential stream, which the core's hardware
-    prefetcher follows at full speed (rows read side by side make short streams it keeps losing: docs/08b §4);
+    prefetcher recognises (rows read side by side make short streams it keeps losing: docs/08b §4); a software
+    prefetch 2 KB ahead keeps more of it in flight than the hardware asks for alone;
   * 4 independent fp32 accumulators per activation row, so an add never waits for the previous one;
     each 64-byte piece of W is loaded once into a register and used for every activation row (<= 4 at a
     time; rows 5-8 read the weight row again, from L1);
