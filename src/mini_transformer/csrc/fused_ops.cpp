@@ -12,9 +12,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 
+#include "exp_generic.h"
 #include "ops.h"
 
 namespace {
@@ -23,20 +23,6 @@ constexpr int kLanes = 16;
 constexpr int64_t kGrainElements = 1 << 14;  // a task gets at least this many elements: small batches stay serial
 
 int64_t grain_rows(int64_t row_length) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_length)); }
-
-// e^x for x <= 0: the range reduction and series of attention_tile.h's exp_generic, vectorisable
-inline float exp_nonpositive(float x) {
-  const float y = std::max(x, -87.f);
-  const float k = (y * 1.44269504f + 12582912.f) - 12582912.f;  // round(y / ln 2)
-  float r = y - k * 0.693359375f;
-  r = r - k * -2.12194440e-4f;
-  float p = 1.f / 5040;  // 1 + r + r^2/2! + ... + r^7/7!
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + c;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float two_k;
-  std::memcpy(&two_k, &bits, sizeof(float));
-  return x < -87.f ? 0.f : p * two_k;
-}
 
 // x (R, C) contiguous, w (C,) -> (R, C): the sum of squares in kLanes partial sums, then one scaling pass
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
@@ -87,7 +73,7 @@ at::Tensor silu_mul(at::Tensor gate, at::Tensor up) {
   float* ys = y.data_ptr<float>();
   at::parallel_for(0, gate.numel(), kGrainElements, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float e = exp_nonpositive(-std::fabs(g[i]));
+      const float e = exp_generic(-std::fabs(g[i]));
       const float sigmoid = (g[i] >= 0.f ? 1.f : e) / (1.f + e);
       ys[i] = g[i] * sigmoid * u[i];
     }
