@@ -34,13 +34,26 @@ def step_cost(cfg: TransformerConfig, batch: int, context: int) -> tuple[float, 
     """(FLOPs, bytes read) of one decode step: `batch` sequences each add one token after `context` cached
     ones. FLOPs: 2 per weight of every linear layer per sequence, plus q·k and p·v over context + 1 keys
     per head. Bytes: every weight once (fp32) plus each sequence's K/V; activations are not counted."""
-    with torch.device("meta"):
-        model = TransformerLM(cfg)
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    linear, weights = model_counts(cfg)
     keys = context + 1
     flops = batch * (2 * linear + 4 * cfg.n_layer * cfg.n_heads * cfg.d_head * keys)
-    nbytes = weight_bytes(model) + batch * keys * kv_bytes_per_slot(cfg)
+    nbytes = weights + batch * keys * kv_bytes_per_slot(cfg)
     return float(flops), float(nbytes)
+
+
+_COUNTS: dict[str, tuple[int, int]] = {}
+
+
+def model_counts(cfg: TransformerConfig) -> tuple[int, int]:
+    """(weights of the linear layers, bytes of every weight read in a step) of cfg's model, built once per
+    config on the meta device: a roofline asks for the same model at every batch and context."""
+    key = repr(cfg)  # the config's every field
+    if key not in _COUNTS:
+        with torch.device("meta"):
+            model = TransformerLM(cfg)
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+        _COUNTS[key] = linear, weight_bytes(model)
+    return _COUNTS[key]
 
 
 def measure_matmul_flops(n: int = 2048, repeats: int = 5) -> float:

@@ -1,6 +1,6 @@
 """Exercise answered by the project's own counting: the model built on the meta device (nothing allocated),
-its bytes by benchmarks/_decode_roofline.py (`weight_bytes`, `kv_bytes_per_slot`), its FLOPs as
-benchmarks/bench_roofline.py's `step_cost` counts them, the bound as bench_roofline.py's `roofline_rows`
+its bytes by benchmarks/_decode_roofline.py (`weight_bytes`, `kv_bytes_per_slot`), its FLOPs by
+benchmarks/bench_roofline.py's `step_cost`, the bound as bench_roofline.py's `roofline_rows`
 decides it."""
 
 import copy
@@ -19,6 +19,7 @@ from mini_transformer.model import rope
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from _decode_roofline import kv_bytes_per_slot  # noqa: E402
 from _decode_roofline import weight_bytes as project_weight_bytes  # noqa: E402
+from bench_roofline import step_cost  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -75,9 +76,8 @@ def kv_bytes_per_token(m, bytes_per_value):
     return kv_bytes_per_slot(config(m), bytes_per_value)
 
 
-def step_flops(m, batch, context):  # step_cost's count, without building the model again for each call
-    cfg = config(m)
-    return batch * (2 * linear_params(m) + 4 * cfg.n_layer * cfg.n_heads * cfg.d_head * (context + 1))
+def step_flops(m, batch, context):
+    return int(step_cost(config(m), batch, context)[0])
 
 
 def step_bytes(m, batch, context, bytes_per_value):
