@@ -4,7 +4,9 @@ bandwidth / bytes per token."""
 
 from __future__ import annotations
 
+import glob
 import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -15,10 +17,22 @@ from mini_transformer.model.layers import RMSNorm
 from mini_transformer.model.quantize import Int4Linear, Int8Linear
 
 
-def measure_bandwidth(device: str = "cpu", mbytes: int = 256, repeats: int = 5) -> tuple[float, float]:
-    """(copy, read) bytes per second over a 256 MB tensor on `device`, each the best of `repeats`, at the
-    current thread count. copy = dst.copy_(src), counted as read + write; read = src.sum(), reading only,
-    as a decode step reads its weights. The ceiling uses the read figure (a copy also pays for its writes)."""
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size in bytes, as Linux reports it (0 where it does not)."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        text = Path(path).read_text().strip()
+        sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20}[text[-1]] if text[-1] in "KM" else int(text))
+    return max(sizes, default=0)
+
+
+def measure_bandwidth(device: str = "cpu", mbytes: int | None = None, repeats: int = 5) -> tuple[float, float]:
+    """(copy, read) bytes per second over a tensor of `mbytes` MB on `device` (on the CPU by default 4x the
+    last-level cache and at least 256 MB, so the figure is memory's, not the cache's), each the best of
+    `repeats`, at the current thread count. copy = dst.copy_(src), counted as read + write; read =
+    src.sum(), reading only, as a decode step reads its weights. The ceiling uses the read figure."""
+    if mbytes is None:
+        mbytes = max(256, 4 * last_level_cache_bytes() // 2**20) if device == "cpu" else 256
     src = torch.ones(mbytes * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
     best_copy = best_read = float("inf")

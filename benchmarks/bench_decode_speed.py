@@ -296,7 +296,7 @@ def main(argv=None) -> None:
     print(f"threads {args.threads}, device {args.device}, load average {os.getloadavg()[0]:.2f}")
     if "speed" in args.parts:
         copy_bw, bandwidth = measure_bandwidth(args.device)
-        print(f"memory bandwidth, 256 MB: copy (read + write) {copy_bw / 1e9:.2f} GB/s, "
+        print(f"memory bandwidth (4x the last-level cache): copy (read + write) {copy_bw / 1e9:.2f} GB/s, "
               f"read {bandwidth / 1e9:.2f} GB/s (the ceiling uses read)")
         rows = [row for name in args.models for row in run_speed(name, args, bandwidth)]
         print(f"batch 1, greedy, prompt {args.prompt_len}; new tokens: char {args.new_tokens}, "

@@ -109,21 +109,21 @@ def thread_scaling_calls(model: TransformerLM) -> dict[str, tuple]:
 
 
 def run_thread_scaling(model: TransformerLM, repeats: int, counts: list[int]) -> None:
-    """GB/s of each GEMV kernel at each thread count, and the read roof (a 256 MB sum, measure_bandwidth)
-    at that count: the kernels split their weight rows over the threads, so a GEMV can gain from a second
-    core only as much as the roof does."""
+    """GB/s of each GEMV kernel at each thread count, and the read roof (a sum over 4x the last-level cache,
+    measure_bandwidth) at that count: the kernels split their weight rows over the threads, so a GEMV can gain
+    from a second core only as much as the roof does."""
     calls = thread_scaling_calls(model)
     before, gbs = torch.get_num_threads(), {}
     try:
         for n in counts:
             torch.set_num_threads(n)
-            gbs[("read roof (256 MB sum)", n)] = measure_bandwidth("cpu")[1] / 1e9
+            gbs[("read roof (sum past the L3)", n)] = measure_bandwidth("cpu")[1] / 1e9
             timings = time_interleaved({name: fn for name, (fn, _) in calls.items()}, repeats=repeats, warmup=2)
             for name, (_, nbytes) in calls.items():
                 gbs[(name, n)] = nbytes / timings[name].median / 1e9
     finally:
         torch.set_num_threads(before)
-    rows, roof = [], "read roof (256 MB sum)"
+    rows, roof = [], "read roof (sum past the L3)"
     for name in [roof, *calls]:
         row = {"method": name, **{n: gbs[(name, n)] for n in counts}}
         row["gain"] = f"{gbs[(name, counts[-1])] / gbs[(name, counts[0])]:.2f}x"
@@ -275,7 +275,7 @@ def main(argv=None) -> None:
     built = ", ".join(f"{NAMES[d]} {kernel_available(d)}" for d in DTYPES)
     print(f"threads {args.threads}; the kernel's AVX-512 loop built for: {built}; {load_average()}")
     _, read = measure_bandwidth("cpu")
-    print(f"read bandwidth (sum of 256 MB fp32): {read / 1e9:.1f} GB/s; {load_average()}")
+    print(f"read bandwidth (sum past the last-level cache): {read / 1e9:.1f} GB/s; {load_average()}")
     fp32 = llama()
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
     if "gemv" in args.parts:
