@@ -92,3 +92,13 @@ def test_one_query_kernel_same_bits_on_1_and_2_threads(dtype, B):
     one = on_threads(1, one_query_kernel, q, k, v, mask, 1 / 8)
     two = on_threads(2, one_query_kernel, q, k, v, mask, 1 / 8)
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+@pytest.mark.parametrize("mask_kind", ["prefix", "random"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_one_query_kernel_bool_mask_same_bits_as_additive(mask_kind, shared):
+    """A bool mask is read in place (True = may attend) and gives the bits of its additive form (0 / -inf)."""
+    q, k, v, keep_mask, _ = one_query_setup(3, 8, 4, 150, 64, f"{mask_kind}-bool", 1 if shared else 3)
+    additive = torch.zeros(keep_mask.shape).masked_fill(~keep_mask, float("-inf"))
+    by_bool, by_add = one_query_kernel(q, k, v, keep_mask, 0.125), one_query_kernel(q, k, v, additive, 0.125)
+    assert torch.equal(by_bool[0], by_add[0]) and torch.equal(by_bool[1], by_add[1])

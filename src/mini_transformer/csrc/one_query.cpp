@@ -20,8 +20,15 @@ namespace {
 constexpr int64_t kTile = 64;
 constexpr float kNone = -std::numeric_limits<float>::infinity();
 
-// One task: kv head `task` (= b * Hkv + kv head) with its G query heads h0 ... h0 + G - 1. A key whose additive
-// mask is -inf is skipped (its K and V rows never read); the others go through attend_tile kTile at a time.
+// A row of the mask as the caller gave it: bool (True = may attend) or additive fp32; none = every key.
+struct MaskRow {
+  const bool* keep = nullptr;
+  const float* add = nullptr;
+  float operator[](int64_t t) const { return keep ? (keep[t] ? 0.f : kNone) : add ? add[t] : 0.f; }
+};
+
+// One task: kv head `task` (= b * Hkv + kv head) with its G query heads h0 ... h0 + G - 1. A key the mask shuts
+// out (False, or -inf) is skipped (its K and V rows never read); the others go through attend_tile kTile at a time.
 // A row with no key left gets out 0 and logsumexp -inf, never NaN.
 struct Scratch {  // one thread's buffers, reused by its tasks
   explicit Scratch(int64_t G, int64_t D)
@@ -31,7 +38,7 @@ struct Scratch {  // one thread's buffers, reused by its tasks
 };
 
 template <typename T>
-static void attend_task(const T* q, const T* k, const T* v, const float* mask_row, float scale, T* out, float* lse,
+static void attend_task(const T* q, const T* k, const T* v, MaskRow mask_row, float scale, T* out, float* lse,
                         int64_t task, int64_t G, int64_t Tk, int64_t D, Scratch& s) {
   auto &qf = s.qf, &acc = s.acc, &scores = s.scores, &bias = s.bias, &m = s.m, &l = s.l;
   auto& rows = s.rows;
@@ -43,12 +50,12 @@ static void attend_task(const T* q, const T* k, const T* v, const float* mask_ro
   const T* v_head = v + task * Tk * D;
   for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[h0 * D + i]) * scale;
   auto flush = [&](int64_t n) {
-    attend_tile(qf.data(), k_head, v_head, rows.data(), mask_row ? bias.data() : nullptr, n, G, G, D, m.data(),
+    attend_tile(qf.data(), k_head, v_head, rows.data(), mask_row.add ? bias.data() : nullptr, n, G, G, D, m.data(),
                 l.data(), acc.data(), scores.data(), kTile);
   };
   int64_t n = 0;
   for (int64_t t = 0; t < Tk; ++t) {
-    const float add = mask_row ? mask_row[t] : 0.f;
+    const float add = mask_row[t];
     if (add == kNone) continue;
     rows[n] = t * D;
     bias[n] = add;
@@ -65,24 +72,25 @@ static void attend_task(const T* q, const T* k, const T* v, const float* mask_ro
 // One task per (b, kv head), over threads: at batch 1 the kv heads alone fill them. Each task's heads are
 // walked in one order whatever the split, so any thread count gives the same bits.
 template <typename T>
-static void one_query_all(const T* q, const T* k, const T* v, const float* mask, int64_t mask_stride, float scale,
+static void one_query_all(const T* q, const T* k, const T* v, MaskRow mask, int64_t mask_stride, float scale,
                           T* out, float* lse, int64_t B, int64_t H, int64_t Hkv, int64_t Tk, int64_t D) {
   const int64_t G = H / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(G, D);
-    for (int64_t task = begin; task < end; ++task)
-      attend_task(q, k, v, mask ? mask + task / Hkv * mask_stride : nullptr, scale, out, lse, task, G, Tk, D,
-                  scratch);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t offset = task / Hkv * mask_stride;  // this task's batch row of the mask
+      const MaskRow row{mask.keep ? mask.keep + offset : nullptr, mask.add ? mask.add + offset : nullptr};
+      attend_task(q, k, v, row, scale, out, lse, task, G, Tk, D, scratch);
+    }
   });
 }
 
-// attn_mask (B or 1, 1, 1, Tk), bool (True = may attend) or additive -> (B or 1, Tk) fp32, additive
-at::Tensor additive_mask(const at::Tensor& am, int64_t B, int64_t Tk) {
+// attn_mask (B or 1, 1, 1, Tk), bool (True = may attend) or additive -> (B or 1, Tk), bool as it is (read in
+// place: no fp32 copy per call), additive as fp32
+at::Tensor mask_rows(const at::Tensor& am, int64_t B, int64_t Tk) {
   TORCH_CHECK(am.dim() == 4 && am.size(1) == 1 && am.size(2) == 1 && am.size(3) == Tk &&
               (am.size(0) == 1 || am.size(0) == B), "mt_one_query::attend: a (B or 1, 1, 1, Tk) mask");
-  auto mask = am.dtype() == at::kBool
-                  ? at::zeros(am.sizes(), am.options().dtype(at::kFloat)).masked_fill_(am.logical_not(), -INFINITY)
-                  : am.to(at::kFloat);
+  const auto mask = am.dtype() == at::kBool ? am : am.to(at::kFloat);
   return mask.reshape({am.size(0), Tk}).contiguous();
 }
 
@@ -94,12 +102,14 @@ std::tuple<at::Tensor, at::Tensor> one_query_attend(at::Tensor q, at::Tensor key
   TORCH_CHECK(q.size(2) == 1 && H % Hkv == 0, "mt_one_query::attend: one query row, H a multiple of Hkv");
   TORCH_CHECK(q.dtype() == key.dtype() && value.dtype() == key.dtype(), "mt_one_query::attend: one dtype");
   auto qc = q.contiguous(), kc = key.contiguous(), vc = value.contiguous();
-  const at::Tensor mask = attn_mask ? additive_mask(*attn_mask, B, Tk) : at::Tensor();
+  const at::Tensor mask = attn_mask ? mask_rows(*attn_mask, B, Tk) : at::Tensor();
   auto out = at::empty({B, H, 1, D}, q.options());
   auto lse = at::empty({B, H, 1}, q.options().dtype(at::kFloat));
   auto run = [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    const float* mask_data = mask.defined() ? mask.data_ptr<float>() : nullptr;
+    MaskRow mask_data;
+    if (mask.defined() && mask.dtype() == at::kBool) mask_data.keep = mask.data_ptr<bool>();
+    if (mask.defined() && mask.dtype() == at::kFloat) mask_data.add = mask.data_ptr<float>();
     const int64_t mask_stride = mask.defined() && mask.size(0) == B ? Tk : 0;  // 0: one row for the batch
     one_query_all<T>(qc.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), mask_data, mask_stride, (float)scale,
                      out.data_ptr<T>(), lse.data_ptr<float>(), B, H, Hkv, Tk, D);
