@@ -116,11 +116,15 @@ def cpu_decode_backend(gm, example_inputs):
     With int8 weights (quantize.py) the graph also gets a low `realize_cpu_opcount_threshold`: by default
     inductor inlines a reduction's producer (the LayerNorm before a linear) and recomputes it for every
     weight element; with one byte per weight that recomputation, not memory, bounds the loop, so each
-    linear's input is stored once. fp32 and int4's packed weights run faster inlined and keep it."""
+    linear's input is stored once. fp32 and int4's packed weights run faster inlined and keep it.
+
+    The generated wrapper's size and stride asserts are left out: they recheck, in Python, before
+    and after every kernel, what dynamo's guards checked once, and GraphReplay hands the graph the very tensors
+    dynamo saw."""
     from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx
 
-    options = {"fx_graph_cache": True}
+    options = {"fx_graph_cache": True, "size_asserts": False}
     if any(isinstance(t, torch.Tensor) and t.dtype == torch.int8 for t in example_inputs):
         options["realize_cpu_opcount_threshold"] = 4  # int8 weights: store each linear's input once
     with functorch_config.patch(enable_autograd_cache=False):
