@@ -25,6 +25,7 @@ struct MaskRow {
   const bool* keep = nullptr;
   const float* add = nullptr;
   float operator[](int64_t t) const { return keep ? (keep[t] ? 0.f : kNone) : add ? add[t] : 0.f; }
+  MaskRow shifted(int64_t offset) const { return {keep ? keep + offset : nullptr, add ? add + offset : nullptr}; }
 };
 
 // One task: kv head `task` (= b * Hkv + kv head) with its G query heads h0 ... h0 + G - 1. A key the mask shuts
@@ -77,11 +78,8 @@ static void one_query_all(const T* q, const T* k, const T* v, MaskRow mask, int6
   const int64_t G = H / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(G, D);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t offset = task / Hkv * mask_stride;  // this task's batch row of the mask
-      const MaskRow row{mask.keep ? mask.keep + offset : nullptr, mask.add ? mask.add + offset : nullptr};
-      attend_task(q, k, v, row, scale, out, lse, task, G, Tk, D, scratch);
-    }
+    for (int64_t task = begin; task < end; ++task)  // the mask row of this task's batch row
+      attend_task(q, k, v, mask.shifted(task / Hkv * mask_stride), scale, out, lse, task, G, Tk, D, scratch);
   });
 }
 
