@@ -273,7 +273,7 @@ def main(argv=None) -> None:
     if args.worker:
         return worker(args.worker)
     built = ", ".join(f"{NAMES[d]} {kernel_available(d)}" for d in DTYPES)
-    print(f"threads {args.threads}; the kernel's AVX-512 loop built for: {built}; {load_average()}")
+    print(f"threads {args.threads}; the kernel's SIMD loop (AVX-512 or AVX2) built for: {built}; {load_average()}")
     _, read = measure_bandwidth("cpu")
     print(f"read bandwidth (sum past the last-level cache): {read / 1e9:.1f} GB/s; {load_average()}")
     fp32 = llama()

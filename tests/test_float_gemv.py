@@ -7,13 +7,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import on_threads
 
 from mini_transformer import TransformerConfig, TransformerLM, generate
 from mini_transformer.attention.one_query_cpu import kernel_available as one_query_kernel_available
 from mini_transformer.model.float_gemv import DTYPES, MAX_ROWS, float_gemv, float_gemv_reference, kernel_available
 
 BUILT = [dtype for dtype in DTYPES if kernel_available(dtype)]
-needs_kernel = pytest.mark.skipif(not BUILT, reason="no AVX-512 build of the kernel here")
+needs_kernel = pytest.mark.skipif(not BUILT, reason="no SIMD build (AVX-512 or AVX2) of the kernel here")
 HALF_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # the one final rounding
 TINY = {torch.float32: 0.0, torch.bfloat16: 0.0, torch.float16: 2.0 ** -25}  # half fp16's smallest subnormal
 
@@ -103,6 +104,46 @@ def test_kernel_refuses_other_dtypes_and_shapes():
         torch.ops.mt_float.gemv(x, w, torch.zeros(3))
 
 
+def int8_inputs(M: int, N: int, K: int, bias: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x, q = torch.randn(M, K, generator=g), torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    return x, q, torch.rand(N, generator=g) / 127, torch.randn(N, generator=g) if bias else None
+
+
+needs_int8_kernel = pytest.mark.skipif(not kernel_available(torch.int8), reason="no SIMD build of the int8 GEMV here")
+
+
+@needs_int8_kernel
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(M=st.integers(1, MAX_ROWS), N=st.integers(1, 100), K=st.integers(1, 300), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_int8_kernel_within_rounding_of_float64(threads, M, N, K, bias, seed):
+    """int8 weights through the same loop: fp32 x, each weight widened exactly, an fp32 sum, times the row's
+    scale, plus the bias; within the fp32 sum's bound (gamma S, S = sum |x q| s + |b|, gamma = (K + 2) 2^-24
+    for the K terms, the scale and the bias) of float64, for the same K, N and row counts as the float loop."""
+    x, q, s, b = int8_inputs(M, N, K, bias, seed)
+    got = torch.ops.mt_float.gemv_int8(x, q, s, b)
+    exact = (x.double() @ q.double().t()) * s.double()
+    size = (x.double().abs() @ q.double().abs().t()) * s.double()
+    if b is not None:
+        exact, size = exact + b.double(), size + b.double().abs()
+    assert got.dtype == torch.float32 and got.shape == (M, N)
+    assert bool(((got.double() - exact).abs() <= 2 * (K + 2) * 2.0 ** -24 * size).all())
+
+
+@needs_int8_kernel
+def test_int8_kernel_same_bits_on_any_thread_count_and_checks_its_inputs():
+    x, q, s, b = int8_inputs(5, 1001, 300, True, 0)
+    assert torch.equal(on_threads(1, torch.ops.mt_float.gemv_int8, x, q, s, b),
+                       on_threads(2, torch.ops.mt_float.gemv_int8, x, q, s, b))
+    with pytest.raises(RuntimeError, match="int8 weight"):
+        torch.ops.mt_float.gemv_int8(x, q.float(), s, b)
+    with pytest.raises(RuntimeError, match="scales"):
+        torch.ops.mt_float.gemv_int8(x, q, s[:3], b)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.mt_float.gemv_int8(x, q, s, b.double())
+
+
 def bf16_llama(bias: bool) -> TransformerLM:
     torch.manual_seed(0)  # d_model 48: K = 48 and 96 are not multiples of 32; init 0.3: logits well apart
     cfg = TransformerConfig(vocab_size=50, d_model=48, n_heads=4, n_kv_heads=2, n_layer=2, d_ff=96, max_seq_len=64,
@@ -120,7 +161,7 @@ def bf16_llama(bias: bool) -> TransformerLM:
 TOLERANCE = 0.1
 
 
-@pytest.mark.skipif(torch.bfloat16 not in BUILT, reason="no AVX512_BF16 build of the kernel here")
+@pytest.mark.skipif(torch.bfloat16 not in BUILT, reason="no SIMD bf16 build (AVX512_BF16 or AVX2) of the kernel here")
 @pytest.mark.parametrize("batch, bias", [(1, False), (3, True)])
 def test_compiled_bf16_decode_runs_the_kernel_close_to_eager(batch, bias):
     """generate(compile=True) on a bf16 model: every matmul of the step is the kernel (no aten mm/addmm

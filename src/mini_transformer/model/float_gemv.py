@@ -16,13 +16,16 @@ The kernel (csrc/float_gemv.cpp, built on first use by `_native.build`) does, fo
     time; rows 5-8 read the weight row again, from L1);
   * bf16: `vdpbf16ps` (AVX512_BF16) - 32 bf16 pairs, each product exact in fp32, added pairwise into 16 fp32
     lanes. fp16: 16 halves widened with `vcvtph2ps`, then fused multiply-add. fp32: fused multiply-add;
+  * with AVX2 instead of AVX-512 (csrc/float_gemv_avx2.h): 8 lanes, 16-bit weights widened as they load
+    (fp16 by F16C, bf16 by a 16-bit shift: it is the top half of an fp32), the activations widened to fp32
+    once per call;
   * rows of W split over threads with at::parallel_for; each row is summed by one thread in one order,
     so every thread count gives the same bits.
 
-That is the AVX-512 path (csrc/float_gemv_avx512.h). Beside it the portable path (16 independent fp32 sums
-per row in plain C++) does not beat PyTorch's own matmul (about even in fp32, slower in bf16:
-benchmarks/bench_kernels.py), so `kernel_available` says False where a dtype would run it and the compiled
-step keeps PyTorch's.
+Both SIMD paths share one loop (csrc/float_gemv.cpp); each header gives it its element types. Beside them the
+portable path (16 independent fp32 sums per row in plain C++) does not beat PyTorch's own matmul (about even in
+fp32, slower in bf16: benchmarks/bench_kernels.py), so `kernel_available` says False where a dtype would run it
+and the compiled step keeps PyTorch's.
 
 Where fp32 matters in a 16-bit model: the GEMV sums here (a bf16 running sum of 768 terms would keep ~3
 significant digits); RMSNorm (layers.py computes mean(x^2) and the rsqrt in fp32, then rounds); attention
@@ -31,6 +34,10 @@ cache stay 16-bit - the places eager `F.linear` (fp32 accumulation, one rounding
 
 `float_gemv_reference` is the same arithmetic in PyTorch (fp32 matmul of the widened values, rounded
 once); the operator is `mt_float::gemv`, with a shape function so a compiled step calls it like an aten op.
+
+The same loop reads int8 weights too (`mt_float::gemv_int8`, for quantize.py's Int8Linear in a compiled decode
+step): each weight widened to fp32 as it loads, the fp32 sum times the row's scale. Its reference is
+quantize.py's `int8_rowwise`, the multiply-and-sum inductor fuses where the kernel is not built.
 """
 
 from __future__ import annotations
@@ -56,15 +63,21 @@ def float_gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 @cache
 def kernel_available(dtype: torch.dtype) -> bool:
-    """Build and load the C++ kernel (first call in a process). True only where `dtype` runs its AVX-512
-    path (bf16 needs AVX512_BF16): the portable one does not beat PyTorch's matmul."""
-    if dtype not in DTYPES or not build("mt_float", "float_gemv.cpp", "float GEMV",
-                                        fakes={"mt_float::gemv": _gemv_shape}):
+    """Build and load the C++ kernel (first call in a process). True only where weights of `dtype` (one of
+    DTYPES, or torch.int8 for gemv_int8) run a SIMD path (AVX-512, where bf16 needs AVX512_BF16, or AVX2 with
+    FMA and F16C): the portable one does not beat PyTorch's matmul or inductor's fused reduction."""
+    if dtype not in (*DTYPES, torch.int8) or not build(
+            "mt_float", "float_gemv.cpp", "float GEMV",
+            fakes={"mt_float::gemv": _gemv_shape, "mt_float::gemv_int8": _int8_gemv_shape}):
         return False
     return bool(torch.ops.mt_float.vectorized(dtype))
 
 
 def _gemv_shape(x, weight, bias=None):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _int8_gemv_shape(x, weight, scales, bias=None):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 

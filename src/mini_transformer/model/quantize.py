@@ -15,11 +15,12 @@ y[n] = sum_k x[k] w[n, k] the error is therefore at most sum_k |x[k]| * s[n, gro
     model.save_pretrained(path); TransformerLM.from_pretrained(path)   # writes quantization.json; comes back quantized
 
 How the matmul reads the small weights:
-  * int8, inside a compiled decode step (a few rows): written as multiply-and-sum over the input
-    dimension, which inductor fuses into ONE reduction kernel that reads the int8 bytes directly;
-    otherwise (eager, prefill) dequantize, then F.linear;
+  * int8, inside a compiled decode step (a few rows): float_gemv.py's C++ GEMV loop (`mt_float::gemv_int8`,
+    each weight widened to fp32 as it loads) where it has a SIMD path; elsewhere written as multiply-and-sum
+    over the input dimension (`int8_rowwise`, the kernel's reference), which inductor fuses into ONE
+    reduction kernel that reads the int8 bytes directly; otherwise (eager, prefill) dequantize, then F.linear;
   * int4, every row alike: the activations rounded to int8 per group and integer dot products with the
-    packed codes (int4_gemv.py: a C++ kernel, AVX512-VNNI or portable, or its PyTorch reference) - never a
+    packed codes (int4_gemv.py: a C++ kernel, AVX512-VNNI, AVX2 or portable, or its PyTorch reference) - never a
     dequantized weight in memory, and the same numbers eager, compiled, alone or in any batch;
   * `packed_kernels=True`: PyTorch's packed kernels (`aten._weight_int8pack_mm`, on the CPU
     `aten._weight_int4pack_mm_for_cpu`). They run on this project's CPU build but at batch 1 are far
@@ -35,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._checks import choice, integer
+from . import float_gemv
 from .int4_gemv import int4_gemv_reference, kernel_available, kernel_groups_ok
 
 MODES = ("int8", "int4")
@@ -71,6 +73,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", torch.ones(out_features, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
         self.use_kernel = False  # a plain attribute, set by quantize(): a compiled step sees a constant
+        # likewise whether a compiled decode step takes float_gemv.py's int8 loop (its SIMD path is built)
+        self.gemv_kernel = float_gemv.kernel_available(torch.int8)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -89,6 +93,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]  # static under torch.compile
         if torch.compiler.is_compiling() and rows <= FUSED_MAX_ROWS:
+            if self.gemv_kernel and x.dtype == torch.float32 and x.device.type == "cpu":
+                y = torch.ops.mt_float.gemv_int8(_flat(x), self.weight, self.scales, self.bias)  # bias included
+                return y.view(*x.shape[:-1], self.out_features)
             y = int8_rowwise(_flat(x), self.weight, self.scales).view(*x.shape[:-1], self.out_features)
         elif self.use_kernel:
             y = torch.ops.aten._weight_int8pack_mm(_flat(x), self.weight, self.scales.to(x.dtype))  # (M, N)
