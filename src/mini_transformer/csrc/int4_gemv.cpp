@@ -17,6 +17,9 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "int4_gemv_avx512.h"
 #define INT4_GEMV_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "int4_gemv_avx2.h"
+#define INT4_GEMV_AVX2 1
 #endif
 
 namespace {
@@ -116,14 +119,20 @@ at::Tensor int4_gemv(at::Tensor x, at::Tensor packed, at::Tensor scale_low, int6
           continue;
         }
 #endif
+#ifdef INT4_GEMV_AVX2
+        if (chunk == 64) {  // groups of 64k: the generic loop's codes, 64 inputs per step
+          out[m * N + n] = row_dot_avx2(w + n * K / 2, sl + n * 2 * G, xm, dm, sm, G, group);
+          continue;
+        }
+#endif
         out[m * N + n] = row_dot_generic(w + n * K / 2, sl + n * 2 * G, xm, dm, sm, G, group, chunk);
       }
   });
   return y;
 }
 
-bool int4_gemv_vectorized() {  // whether this build has the VNNI path (else every call runs the generic loop)
-#ifdef INT4_GEMV_VNNI
+bool int4_gemv_vectorized() {  // whether this build has a SIMD path, VNNI or AVX2 (else the generic loop)
+#if defined(INT4_GEMV_VNNI) || defined(INT4_GEMV_AVX2)
   return true;
 #else
   return false;

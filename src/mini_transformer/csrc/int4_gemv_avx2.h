@@ -1,0 +1,47 @@
+// The AVX2 path of int4_gemv.cpp, for groups of 64k: per 64 inputs, 32 packed bytes are loaded once, split into
+// low and high nibbles, and each half meets its 32 int8 activations (the generic loop's order: evens, then
+// odds) in one vpmaddubsw (u8 x s8 products added in pairs to int16), then vpmaddwd against ones (pairs of
+// int16 to 8 int32 lanes). Included only where the compiler has AVX2 and FMA, and not AVX512-VNNI.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace {
+
+// The integer dot of 64 inputs, in 8 int32 lanes. Each int16 sum is at most 2 x (15 x 127) per vpmaddubsw and
+// two of them are added: 7620 < 2^15, so nothing saturates and the sums are exact.
+static inline __m256i dot64_avx2(const uint8_t* w, const int8_t* xq) {
+  const __m256i nibble = _mm256_set1_epi8(15);
+  const __m256i b = _mm256_loadu_si256((const __m256i*)w);
+  const __m256i lo = _mm256_and_si256(b, nibble);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xq)),
+                                         _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xq + 32))));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+static inline float sum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// One weight row (G groups of `group` inputs, group a multiple of 64): per group the integer dot, scaled by the
+// weight's scale times the activations' (dx), plus the weight's minimum times the activations' sum. Groups
+// alternate between two accumulators, so one group's multiply-add does not wait for the one before.
+static float row_dot_avx2(const uint8_t* w, const float* sl, const int8_t* xq, const float* dx, const float* xsum,
+                          int64_t G, int64_t group) {
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  float low = 0.f;
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i dot = dot64_avx2(w + g * group / 2, xq + g * group);
+    for (int64_t c = 64; c < group; c += 64)
+      dot = _mm256_add_epi32(dot, dot64_avx2(w + (g * group + c) / 2, xq + g * group + c));
+    acc[g % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sl[2 * g] * dx[g]), acc[g % 2]);
+    low += sl[2 * g + 1] * xsum[g];
+  }
+  return sum8(_mm256_add_ps(acc[0], acc[1])) + low;
+}
+
+}  // namespace
