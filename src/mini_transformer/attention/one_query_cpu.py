@@ -12,7 +12,7 @@ returns. A row with no key left gets out 0 and logsumexp -inf (the reference wou
 never passes such a row). One task per (b, kv head), at::parallel_for.
 
 Registered as `mt_one_query::attend` (with a fake for torch.compile), built on first use by `_native.build`;
-without AVX-512 its portable path runs, which still beats the reference (benchmarks/bench_kernels.py).
+without AVX2 (or AVX-512) its portable path runs, which still beats the reference (benchmarks/bench_kernels.py).
 `kernel_available()` is False where it cannot be built or MINI_TRANSFORMER_NATIVE_KERNELS=0: the reference runs.
 """
 

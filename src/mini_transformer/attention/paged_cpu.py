@@ -20,11 +20,11 @@ every kv head of a token side by side, so each K/V row comes from memory once fo
 With fewer sequences than threads (batch-1 decode) each (sequence, kv head) is a task, so every thread has
 work; each head is walked alone either way, so the bits do not depend on the thread count. The tile loop
 (csrc/attention_tile.h, shared with one_query_cpu.py's kernel) runs 16 floats at a time with AVX-512 where the
-compiler has it, else its portable C++; 16-bit pools are widened to fp32 as they load, so bf16/fp16 compute in
-fp32 like the reference.
+compiler has it, 8 with AVX2, else its portable C++; 16-bit pools are widened to fp32 as they load, so bf16/fp16
+compute in fp32 like the reference.
 
 Registered as the operator `mt_paged::decode` (with a fake for torch.compile); built on first use by
-`_native.build`; without AVX-512 its portable path runs, which still beats the reference
+`_native.build`; without AVX2 its portable path runs, which still beats the reference
 (benchmarks/bench_kernels.py). `decode_kernel_available()` is False where it cannot be built: callers use
 the reference.
 """

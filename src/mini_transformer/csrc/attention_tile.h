@@ -1,7 +1,8 @@
 // What both CPU attention kernels share (paged_decode.cpp and one_query.cpp): scores_tile, weighted_sum, the
 // online softmax step and attend_tile, one tile of keys through them; fp32 arithmetic for fp32 / bf16 / fp16
-// keys and values. Each inner loop has a generic path in plain C++ (below) and an AVX-512 one
-// (attention_tile_avx512.h), chosen by the compiler's own __AVX512F__.
+// keys and values. Each inner loop has a generic path in plain C++ (below) and a SIMD one of the same name
+// with _simd for _generic: AVX-512 (attention_tile_avx512.h) or AVX2 (attention_tile_avx2.h), chosen by the
+// compiler's own macros.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -14,7 +15,10 @@
 
 #if defined(__AVX512F__)
 #include "attention_tile_avx512.h"
-#define ATTENTION_TILE_AVX512 1
+#define ATTENTION_TILE_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "attention_tile_avx2.h"
+#define ATTENTION_TILE_SIMD 1
 #endif
 
 namespace {
@@ -86,28 +90,28 @@ static inline float exp_and_sum_generic(float* x, int64_t n, float max) {
   return sum;
 }
 
-// Whether this build runs the AVX-512 tile loop (else the generic one): each attention kernel's `vectorized` op.
+// Whether this build runs a SIMD tile loop (else the generic one): each attention kernel's `vectorized` op.
 static inline bool attention_tile_vectorized() {
-#ifdef ATTENTION_TILE_AVX512
+#ifdef ATTENTION_TILE_SIMD
   return true;
 #else
   return false;
 #endif
 }
 
-#ifdef ATTENTION_TILE_AVX512
+#ifdef ATTENTION_TILE_SIMD
 template <typename T>
 static inline void scores_tile(const float* q, const T* k_base, const int64_t* rows, const float* bias, int64_t n,
                                int64_t heads, int64_t group, int64_t D, float* scores, int64_t tile) {
-  scores_tile_avx512(q, k_base, rows, bias, n, heads, group, D, scores, tile);
+  scores_tile_simd(q, k_base, rows, bias, n, heads, group, D, scores, tile);
 }
 template <typename T>
 static inline void weighted_sum(float* acc, const float* p, int64_t tile, int64_t heads, const T* v_base,
                                 const int64_t* rows, int64_t offset, int64_t n, int64_t D) {
-  weighted_sum_avx512(acc, p, tile, heads, v_base, rows, offset, n, D);
+  weighted_sum_simd(acc, p, tile, heads, v_base, rows, offset, n, D);
 }
-static inline float exp_and_sum(float* x, int64_t n, float max) { return exp_and_sum_avx512(x, n, max); }
-static inline float max_of(const float* x, int64_t n) { return max_avx512(x, n); }
+static inline float exp_and_sum(float* x, int64_t n, float max) { return exp_and_sum_simd(x, n, max); }
+static inline float max_of(const float* x, int64_t n) { return max_simd(x, n); }
 #else
 template <typename T>
 static inline void scores_tile(const float* q, const T* k_base, const int64_t* rows, const float* bias, int64_t n,

@@ -55,9 +55,8 @@ static inline __m512 sum16x16(const __m512* v) {
 // the one before), one per key, reduced together by sum16x16. Key rows past n repeat the chunk's first (real
 // rows, their scores never stored). The tail past the last 16 floats of D goes one value at a time.
 template <typename T>
-static inline void scores_tile_avx512(const float* q, const T* k_base, const int64_t* rows, const float* bias,
-                                      int64_t n, int64_t heads, int64_t group, int64_t D, float* scores,
-                                      int64_t tile) {
+static inline void scores_tile_simd(const float* q, const T* k_base, const int64_t* rows, const float* bias,
+                                    int64_t n, int64_t heads, int64_t group, int64_t D, float* scores, int64_t tile) {
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
     const int64_t width = std::min<int64_t>(16, n - t0);
     const __mmask16 live = width == 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
@@ -122,8 +121,8 @@ static inline void weighted_sum_heads_avx512(float* acc, const float* p, int64_t
 
 // weighted_sum_heads_avx512 for any number of query heads sharing the kv head at offset, 4 at a time
 template <typename T>
-static inline void weighted_sum_avx512(float* acc, const float* p, int64_t tile, int64_t heads, const T* v_base,
-                                       const int64_t* rows, int64_t offset, int64_t n, int64_t D) {
+static inline void weighted_sum_simd(float* acc, const float* p, int64_t tile, int64_t heads, const T* v_base,
+                                     const int64_t* rows, int64_t offset, int64_t n, int64_t D) {
   for (int64_t h = 0; h < heads; h += 4) {
     float* a = acc + h * D;
     const float* ph = p + h * tile;
@@ -137,7 +136,7 @@ static inline void weighted_sum_avx512(float* acc, const float* p, int64_t tile,
 }
 
 // the largest of x (n,), 16 at a time, the lanes past n masked off
-static inline float max_avx512(const float* x, int64_t n) {
+static inline float max_simd(const float* x, int64_t n) {
   __m512 m = _mm512_set1_ps(-INFINITY);
   for (int64_t t = 0; t < n; t += 16) {
     const __mmask16 live = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
@@ -147,7 +146,7 @@ static inline float max_avx512(const float* x, int64_t n) {
 }
 
 // x (n,) -> exp(x - max), 16 scores at a time, the lanes past n masked off; returns their sum
-static inline float exp_and_sum_avx512(float* x, int64_t n, float max) {
+static inline float exp_and_sum_simd(float* x, int64_t n, float max) {
   float sum = 0.f;
   for (int64_t t = 0; t < n; t += 16) {
     const __mmask16 live = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
