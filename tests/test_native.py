@@ -1,5 +1,5 @@
-"""_native.py: each C++ build named after everything its binary depends on; the portable build (AVX-512
-off) of every kernel against the kernel's PyTorch reference."""
+"""_native.py: each C++ build named after everything its binary depends on; the narrower builds of every
+kernel (the portable path; AVX2 alone, AVX-512 off) against the kernel's PyTorch reference."""
 
 import math
 import platform
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 from support import on_threads
-from test_float_gemv import assert_within_rounding, inputs
+from test_float_gemv import assert_within_rounding, inputs, int8_inputs
 from test_one_query_cpu import exact_one_query, one_query_setup
 from test_paged_cpu import decode_setup
 from test_quantize import reference_in_float64
@@ -35,31 +35,44 @@ def test_the_kernels_are_compiled_for_torchs_threads():
     """Without -fopenmp, ATen/ParallelOpenMP.h makes at::parallel_for a loop on the calling thread: the
     kernels would never split their work, whatever torch.set_num_threads says."""
     if torch.backends.openmp.is_available() and platform.system() != "Darwin":
-        assert "-fopenmp" in _native._cflags(portable=False) and "-fopenmp" in _native._cflags(portable=True)
+        assert all("-fopenmp" in _native._cflags(variant) for variant in (None, *_native.VARIANTS))
 
 
-# Every kernel's portable path (AVX-512 off: the plain C++ a machine without it runs), built once into one
-# extension whose operators end in _portable, against the same references as the SIMD builds' tests.
+# Every kernel built for less than this machine has, each build once into one extension whose operators end in
+# _portable (the plain C++ a machine without AVX2 runs) or _avx2 (the path a machine without AVX-512 runs),
+# against the same references as the ordinary build's tests: so an AVX-512 machine checks the AVX2 path too.
 
-@pytest.fixture(scope="module")
-def portable():
-    if not _native.build_portable():
-        pytest.skip("the portable C++ kernels cannot be built here")
-    if platform.machine().lower() in ("x86_64", "amd64"):  # the build really left AVX-512 out
-        assert not torch.ops.mt_paged_portable.vectorized() and not torch.ops.mt_gemv_portable.vectorized()
-        assert not torch.ops.mt_one_query_portable.vectorized()
-        assert not any(torch.ops.mt_float_portable.vectorized(dtype) for dtype in DTYPES)
-    return torch.ops
+class Variant:
+    """torch.ops for one build: `variant.mt_float.gemv` is torch.ops.mt_float_<name>.gemv."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getattr__(self, library: str):
+        return getattr(torch.ops, f"{library}_{self.name}")
+
+
+@pytest.fixture(scope="module", params=list(_native.VARIANTS))
+def variant(request):
+    if not _native.build_variant(request.param):
+        pytest.skip(f"the {request.param} C++ kernels cannot be built or run here")
+    ops = Variant(request.param)
+    if platform.machine().lower() in ("x86_64", "amd64"):  # the build really left the wider paths out
+        simd = request.param == "avx2"  # every kernel with a SIMD path has an AVX2 one
+        assert ops.mt_paged.vectorized() == simd and ops.mt_one_query.vectorized() == simd
+        assert ops.mt_gemv.vectorized() == simd
+        assert all(ops.mt_float.vectorized(d) == simd for d in (*DTYPES, torch.int8))
+    return ops
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M, N, K, bias", [(1, 1, 1, False), (1, 70, 300, True), (3, 65, 48, False),
                                            (5, 100, 17, True), (8, 33, 257, False)])
-def test_portable_float_gemv_within_rounding(portable, threads, dtype, M, N, K, bias):
+def test_variant_float_gemv_within_rounding(variant, threads, dtype, M, N, K, bias):
     """K with and without a tail past the 16 lanes, 1-8 rows (4 at a time and what is left): within one
     rounding of float64, and at most one step of the dtype plus the fp32 sums' bounds from the reference."""
     x, w, b = inputs(M, N, K, bias, M * N + K, dtype)
-    got = portable.mt_float_portable.gemv(x, w, b)
+    got = variant.mt_float.gemv(x, w, b)
     assert_within_rounding(got, x, w, b)
     want = float_gemv_reference(x, w, b).double()
     ulp = torch.finfo(dtype).eps * 2.0 ** torch.floor(torch.log2(want.abs().clamp(min=torch.finfo(dtype).tiny)))
@@ -68,35 +81,45 @@ def test_portable_float_gemv_within_rounding(portable, threads, dtype, M, N, K, 
     assert bool(((got.double() - want).abs() <= step + 2 * (K + 1) * 2.0 ** -24 * size).all())
 
 
+@pytest.mark.parametrize("M, N, K, bias", [(1, 1, 1, False), (1, 70, 300, True), (5, 100, 17, True),
+                                           (8, 33, 257, False)])
+def test_variant_int8_gemv_within_rounding(variant, threads, M, N, K, bias):
+    x, q, s, b = int8_inputs(M, N, K, bias, M * N + K)
+    got = variant.mt_float.gemv_int8(x, q, s, b)
+    exact = (x.double() @ q.double().t()) * s.double() + (b.double() if b is not None else 0)
+    size = (x.double().abs() @ q.double().abs().t()) * s.double() + (b.double().abs() if b is not None else 0)
+    assert bool(((got.double() - exact).abs() <= 2 * (K + 2) * 2.0 ** -24 * size).all())
+
+
 @pytest.mark.parametrize("group_size, K, rows", [(32, 96, 1), (64, 256, 3), (64, 192, 2), (128, 384, 9),
                                                  (256, 512, 1)])
-def test_portable_int4_gemv_equals_float64(portable, threads, group_size, K, rows):
+def test_variant_int4_gemv_equals_float64(variant, threads, group_size, K, rows):
     torch.manual_seed(group_size + K + rows)
     layer = Int4Linear.from_linear(nn.Linear(K, 70, bias=False), group_size)
     x = torch.randn(rows, K) * torch.rand(K) * 4  # groups of different ranges
     x[:, :group_size] = 0  # a group of zeros: dx = 0
-    got = portable.mt_gemv_portable.int4(x, layer.weight, layer.gemv_scale_low, group_size)
+    got = variant.mt_gemv.int4(x, layer.weight, layer.gemv_scale_low, group_size)
     torch.testing.assert_close(got.double(), reference_in_float64(x, layer), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("context_lens, block_size, H, Hkv, D", [([1], 1, 4, 4, 8), ([7, 20, 3, 12], 4, 4, 2, 64),
                                                                  ([16, 32, 17, 1, 48], 16, 6, 2, 19),
                                                                  ([300, 45, 1], 16, 2, 1, 130)])
-def test_portable_paged_decode_equals_reference(portable, threads, context_lens, block_size, H, Hkv, D):
+def test_variant_paged_decode_equals_reference(variant, threads, context_lens, block_size, H, Hkv, D):
     q, k_cache, v_cache, meta, seqs = decode_setup(context_lens, block_size, H, Hkv, D)
     q = q * 4  # a peaked softmax: the running max jumps, weights underflow
     args = (meta.block_tables, meta.context_lens, block_size, 1 / math.sqrt(D))
-    out = portable.mt_paged_portable.decode(q, k_cache, v_cache, *args)
+    out = variant.mt_paged.decode(q, k_cache, v_cache, *args)
     exact = paged_decode_attention(q.double(), k_cache.double(), v_cache.double(), *args)
     assert (out - paged_decode_attention(q, k_cache, v_cache, *args)).abs().max() <= 4e-6
     assert (out.double() - exact).abs().max() <= 4e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_portable_paged_decode_16_bit_within_one_rounding(portable, threads, dtype):
+def test_variant_paged_decode_16_bit_within_one_rounding(variant, threads, dtype):
     q, k_cache, v_cache, meta, _ = decode_setup([40, 3, 17, 64, 1], 16, 6, 2, 64, dtype=dtype)
     args = (meta.block_tables, meta.context_lens, 16, 1 / 8)
-    out = portable.mt_paged_portable.decode(q, k_cache, v_cache, *args)
+    out = variant.mt_paged.decode(q, k_cache, v_cache, *args)
     exact = paged_decode_attention(q.double(), k_cache.double(), v_cache.double(), *args)
     assert out.dtype == dtype and ((out.double() - exact).abs() <= torch.finfo(dtype).eps * exact.abs() + 1e-6).all()
 
@@ -104,18 +127,18 @@ def test_portable_paged_decode_16_bit_within_one_rounding(portable, threads, dty
 @pytest.mark.parametrize("B, H, Hkv, Tk, D, mask_kind", [(1, 4, 4, 1, 8, None), (2, 6, 2, 200, 64, "prefix-bool"),
                                                          (3, 3, 1, 130, 19, "random-add"),
                                                          (2, 4, 2, 70, 16, "random-bool")])
-def test_portable_one_query_equals_float64(portable, threads, B, H, Hkv, Tk, D, mask_kind):
+def test_variant_one_query_equals_float64(variant, threads, B, H, Hkv, Tk, D, mask_kind):
     q, k, v, mask, keep = one_query_setup(B, H, Hkv, Tk, D, mask_kind, B, seed=Tk)
-    out, lse = portable.mt_one_query_portable.attend(q, k, v, mask, D ** -0.5)
+    out, lse = variant.mt_one_query.attend(q, k, v, mask, D ** -0.5)
     want, want_lse = exact_one_query(q, k, v, keep, D ** -0.5)
     assert (out.double() - want).abs().max() <= 16 * torch.finfo(torch.float32).eps * v.abs().max()
     assert (lse.double() - want_lse).abs().max() <= 1e-5 * (1 + want_lse.abs().max())
 
 
-def test_portable_fused_ops_equal_their_references(portable):
-    """The fused per-token kernels, plain C++ only: the same path with AVX-512 off."""
+def test_variant_fused_ops_equal_their_references(variant):
+    """The fused per-token kernels (plain C++, vectorised by the compiler for the variant's instruction set)."""
     torch.manual_seed(0)
-    ops = portable.mt_fused_portable
+    ops = variant.mt_fused
     x, w = torch.randn(37, 389) * 3, torch.randn(389)
     qkv, cos, sin = torch.randn(2, 45, 7, 34).transpose(1, 2), torch.randn(1, 1, 45, 34), torch.randn(1, 1, 45, 34)
     tol = dict(rtol=8 * torch.finfo(torch.float32).eps, atol=1e-30)
@@ -126,18 +149,19 @@ def test_portable_fused_ops_equal_their_references(portable):
     assert torch.equal(ops.argmax(logits), logits.argmax(-1))
 
 
-def test_portable_kernels_same_bits_on_1_and_2_threads(portable):
+def test_variant_kernels_same_bits_on_1_and_2_threads(variant):
     """Shapes past each kernel's grain (1001 weight rows, several chunks of csrc/row_split.h; kv heads or
     sequences to split): each output summed by one thread in one order, so 1 and 2 threads give the same bits."""
     torch.manual_seed(0)
     layer = Int4Linear.from_linear(nn.Linear(1024, 1001, bias=False), 64)
     q, k_cache, v_cache, meta, _ = decode_setup([70], 16, 6, 3, 64)
     q1, k, v, mask, _ = one_query_setup(1, 8, 4, 300, 64, "random-add", 1)
-    calls = [(portable.mt_float_portable.gemv, *inputs(3, 1001, 257, True, 0, dtype)) for dtype in DTYPES]
-    calls += [(portable.mt_gemv_portable.int4, torch.randn(3, 1024), layer.weight, layer.gemv_scale_low, 64),
-              (portable.mt_paged_portable.decode, q, k_cache, v_cache, meta.block_tables, meta.context_lens, 16,
+    calls = [(variant.mt_float.gemv, *inputs(3, 1001, 257, True, 0, dtype)) for dtype in DTYPES]
+    calls += [(variant.mt_float.gemv_int8, *int8_inputs(3, 1001, 257, True, 0))]
+    calls += [(variant.mt_gemv.int4, torch.randn(3, 1024), layer.weight, layer.gemv_scale_low, 64),
+              (variant.mt_paged.decode, q, k_cache, v_cache, meta.block_tables, meta.context_lens, 16,
                0.125),
-              (portable.mt_one_query_portable.attend, q1, k, v, mask, 0.125)]
+              (variant.mt_one_query.attend, q1, k, v, mask, 0.125)]
     for fn, *args in calls:
         one, two = on_threads(1, fn, *args), on_threads(2, fn, *args)
         for a, b in zip(one if isinstance(one, tuple) else [one], two if isinstance(two, tuple) else [two],

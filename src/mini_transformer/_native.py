@@ -2,9 +2,10 @@
 
 Each kernel module keeps a PyTorch reference beside its kernel; `build` answers False where the C++ cannot be
 built (no compiler, not a POSIX system, MINI_TRANSFORMER_NATIVE_KERNELS=0), and the caller runs the reference.
-The compiler's own macros pick each kernel's path (csrc/README.md): AVX-512 where the machine has it, else the
-portable C++ beside it. `build_portable` builds every kernel's portable path into one extension, for the tests
-and benchmarks/bench_kernels.py.
+The compiler's own macros pick each kernel's path (csrc/README.md): AVX-512 where the machine has it, else AVX2,
+else the portable C++ beside them. `build_variant` builds every kernel for a narrower instruction set than the
+machine's into one extension (the portable path; AVX2 alone on an AVX-512 machine), for the tests and
+benchmarks/bench_kernels.py, so each path is checked on any machine that can run it.
 """
 
 from __future__ import annotations
@@ -18,11 +19,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CSRC", "ENABLE_VARIABLE", "KERNEL_SOURCES", "build", "build_portable"]
+__all__ = ["CSRC", "ENABLE_VARIABLE", "KERNEL_SOURCES", "VARIANTS", "build", "build_variant"]
 
 CSRC = Path(__file__).parent / "csrc"
 ENABLE_VARIABLE = "MINI_TRANSFORMER_NATIVE_KERNELS"  # "0": every kernel module runs its PyTorch reference
 KERNEL_SOURCES = ("float_gemv.cpp", "int4_gemv.cpp", "paged_decode.cpp", "one_query.cpp", "fused_ops.cpp")
+# The narrower builds: the macro csrc/ops.h appends to every operator library's name (mt_float_portable, ...), the
+# x86 flags that take the wider instruction sets away, and the CPU flags the build needs.
+VARIANTS = {
+    "portable": ("-DMINI_TRANSFORMER_PORTABLE", ["-mno-avx2"], ()),  # AVX-512 depends on AVX2: both go
+    "avx2": ("-DMINI_TRANSFORMER_AVX2", ["-mno-avx512f"], ("avx2", "fma", "f16c")),  # every AVX-512 extension goes
+}
 
 _built: dict[str, bool] = {}
 
@@ -33,10 +40,7 @@ def _build_name(prefix: str, source: str) -> str:
     version's) build to another. So is torch's directory: the build's command line names it (-isystem, -L),
     and ninja rebuilds when the command changes, so two virtual environments sharing the cache would
     otherwise rebuild each other's kernel every time they took turns."""
-    flags = ""
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+    flags = " ".join(sorted(_cpu_flags()))
     key = f"{platform.machine()} {flags} {torch.__version__} {os.path.dirname(torch.__file__)} {source}"
     return f"{prefix}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
@@ -49,9 +53,16 @@ def _source_text(sources: list[Path], cflags: list[str]) -> str:
     return f"{CSRC} " + " ".join(cflags) + "".join(path.read_text() for path in files)
 
 
-def _cflags(portable: bool) -> list[str]:
-    """-O3 for this machine's instruction sets (clang on Apple silicon spells it -mcpu=native); `portable`
-    turns AVX-512 off on x86, so each kernel compiles its portable path, and names the ops *_portable.
+def _cpu_flags() -> set[str]:
+    if not os.path.exists("/proc/cpuinfo"):
+        return set()
+    with open("/proc/cpuinfo") as f:
+        return set(next((line for line in f if line.startswith("flags")), "").split())
+
+
+def _cflags(variant: str | None = None) -> list[str]:
+    """-O3 for this machine's instruction sets (clang on Apple silicon spells it -mcpu=native); a `variant`
+    (VARIANTS) names its ops *_portable or *_avx2 and, on x86, takes the wider instruction sets away.
 
     -fopenmp where torch's threads are OpenMP's: at::parallel_for is a plain loop on one thread in code
     compiled without it (ATen/ParallelOpenMP.h tests _OPENMP). Only compiled with it, not linked: the OpenMP
@@ -62,14 +73,15 @@ def _cflags(portable: bool) -> list[str]:
     flags = ["-O3", arch]
     if torch.backends.openmp.is_available() and not darwin:
         flags.append("-fopenmp")
-    if portable:
-        flags.append("-DMINI_TRANSFORMER_PORTABLE")
+    if variant is not None:
+        macro, x86_flags, _ = VARIANTS[variant]
+        flags.append(macro)
         if platform.machine().lower() in ("x86_64", "amd64"):
-            flags.append("-mno-avx512f")  # every AVX-512 extension depends on it: all of them go
+            flags += x86_flags
     return flags
 
 
-def _load(prefix: str, files: tuple[str, ...], what: str, portable: bool) -> bool:
+def _load(prefix: str, files: tuple[str, ...], what: str, variant: str | None) -> bool:
     """Build (first call: tens of seconds, then cached on disk) and load `files` of csrc/; False, with one
     warning naming `what`, where that fails; False without a warning where it is switched off."""
     if os.environ.get(ENABLE_VARIABLE, "1") == "0" or os.name != "posix":
@@ -78,7 +90,7 @@ def _load(prefix: str, files: tuple[str, ...], what: str, portable: bool) -> boo
         from torch.utils.cpp_extension import load
 
         sources = [CSRC / name for name in files]
-        cflags = _cflags(portable)
+        cflags = _cflags(variant)
         load(_build_name(prefix, _source_text(sources, cflags)), sources=[str(path) for path in sources],
              extra_cflags=cflags, extra_include_paths=[str(CSRC)], is_python_module=False, verbose=False)
         return True
@@ -93,17 +105,20 @@ def build(prefix: str, source: str, what: str, fakes: dict[str, Callable] | None
     operator's shape function from `fakes` ("lib::op" -> fn), so torch.compile can trace a call without
     running it. False where it cannot be built (the caller runs its reference)."""
     if prefix not in _built:
-        _built[prefix] = _load(prefix, (source,), what, portable=False)
+        _built[prefix] = _load(prefix, (source,), what, variant=None)
         if _built[prefix]:
             for name, shape in (fakes or {}).items():
                 torch.library.register_fake(name)(shape)
     return _built[prefix]
 
 
-def build_portable() -> bool:
-    """Every kernel's portable path in one extension (AVX-512 off), its operators named mt_float_portable::gemv,
-    mt_gemv_portable::int4, mt_paged_portable::decode, mt_one_query_portable::attend, mt_fused_portable::*: one
-    compile, loadable beside the ordinary build."""
-    if "portable" not in _built:
-        _built["portable"] = _load("mt_portable", KERNEL_SOURCES, "portable", portable=True)
-    return _built["portable"]
+def build_variant(variant: str) -> bool:
+    """Every kernel built as `variant` (VARIANTS) in one extension, its operators named after it
+    (mt_float_portable::gemv, mt_gemv_avx2::int4, mt_paged_<variant>::decode, mt_one_query_<variant>::attend,
+    mt_fused_<variant>::*): one compile, loadable beside the ordinary build. False where the CPU lacks what
+    the variant needs (AVX2 on a machine without it) or the build fails."""
+    if variant not in _built:
+        needs = VARIANTS[variant][2]
+        runs_here = not needs or (platform.machine().lower() in ("x86_64", "amd64") and set(needs) <= _cpu_flags())
+        _built[variant] = runs_here and _load(f"mt_{variant}", KERNEL_SOURCES, variant, variant)
+    return _built[variant]

@@ -1,11 +1,14 @@
-// How the kernels name their operator libraries. The ordinary build registers mt_float, mt_gemv, mt_paged and
-// mt_one_query; the build of every kernel's portable path (AVX-512 off, compiled with MINI_TRANSFORMER_PORTABLE:
-// tests and benchmarks/bench_kernels.py) adds "_portable" to each name, so both builds load in one process.
+// How the kernels name their operator libraries. The ordinary build registers mt_float, mt_gemv, mt_paged,
+// mt_one_query and mt_fused; the narrower builds of _native.build_variant (tests, benchmarks/bench_kernels.py) add
+// "_portable" (AVX2 and AVX-512 off, MINI_TRANSFORMER_PORTABLE) or "_avx2" (AVX-512 off, MINI_TRANSFORMER_AVX2)
+// to each name, so every build loads in one process.
 #pragma once
 #include <torch/library.h>
 
-#ifdef MINI_TRANSFORMER_PORTABLE
+#if defined(MINI_TRANSFORMER_PORTABLE)
 #define LIBRARY_NAME(name) name##_portable
+#elif defined(MINI_TRANSFORMER_AVX2)
+#define LIBRARY_NAME(name) name##_avx2
 #else
 #define LIBRARY_NAME(name) name
 #endif

@@ -6,7 +6,7 @@ that speed when called with one row - MKL's one-row addmm, and the CPU flash att
 queries. So the backend replaces them while inductor traces the step:
 
   * mm / addmm with at most 8 rows -> model/float_gemv.py's C++ GEMV (fp32, bf16, fp16 on a CPU with
-    AVX-512; the weight read front to back once, sums in fp32, one rounding); without it, ONE row becomes
+    AVX-512 or AVX2; the weight read front to back once, sums in fp32, one rounding); without it, ONE row becomes
     multiply + sum, a GEMV inductor writes in C++ itself (`_one_row_addmm`, `_one_row_mm`);
   * attention for one query -> attention/one_query_cpu.py's C++ kernel, which skips the slab's masked
     slots (`_one_query_kernel_takes` says when); else the same as reductions (`_one_query_attention`);
@@ -31,7 +31,7 @@ FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 def _one_row_addmm(bias, mat1, mat2, beta=1, alpha=1):
     """addmm of a few rows (M <= 8, a decode step's batch) @ an nn.Linear weight: model/float_gemv.py's C++
-    GEMV (fp32, bf16, fp16 on a CPU with AVX-512; the weight read front to back once, sums in fp32, rounded
+    GEMV (fp32, bf16, fp16 on a CPU with AVX-512 or AVX2; the weight read front to back once, sums in fp32, rounded
     once). Elsewhere ONE row (1, K) @ (K, N) as multiply + sum, so inductor writes the matrix-vector product
     itself (16-bit weights widened to fp32 in registers as they are read: a bf16 sum of 768 terms would
     keep only ~3 significant digits). Anything else (more rows, alpha/beta, other dtypes) keeps aten's
