@@ -89,6 +89,8 @@ def test_kernel_same_bits_on_any_thread_count_and_layout(dtype):
     assert torch.equal(one, two)
     assert torch.equal(torch.ops.mt_float.gemv(x.t().contiguous().t(), w, b), one)
     assert torch.equal(float_gemv(x, w, b), one)
+    # and a row gives the bits it gives alone, whichever of the 4-row passes it falls in
+    assert torch.equal(torch.cat([torch.ops.mt_float.gemv(x[m:m + 1], w, b) for m in range(6)]), one)
 
 
 @needs_kernel

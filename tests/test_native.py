@@ -91,6 +91,22 @@ def test_variant_int8_gemv_within_rounding(variant, threads, M, N, K, bias):
     assert bool(((got.double() - exact).abs() <= 2 * (K + 2) * 2.0 ** -24 * size).all())
 
 
+@pytest.mark.parametrize("dtype", (*DTYPES, torch.int8))
+def test_variant_float_gemv_row_same_bits_alone_or_in_a_batch(variant, dtype):
+    """Rows go 4 at a time and then what is left, so row 4 of 8 shares its pass with other rows and row 0 of 1
+    does not: a row's sum must keep one order either way."""
+    K = 300  # a tail past every register width
+    if dtype == torch.int8:
+        x, q, s, b = int8_inputs(8, 70, K, True, 3)
+        batch = variant.mt_float.gemv_int8(x, q, s, b)
+        alone = torch.cat([variant.mt_float.gemv_int8(x[m:m + 1], q, s, b) for m in range(8)])
+    else:
+        x, w, b = inputs(8, 70, K, True, 3, dtype)
+        batch = variant.mt_float.gemv(x, w, b)
+        alone = torch.cat([variant.mt_float.gemv(x[m:m + 1], w, b) for m in range(8)])
+    assert torch.equal(batch, alone)
+
+
 @pytest.mark.parametrize("group_size, K, rows", [(32, 96, 1), (64, 256, 3), (64, 192, 2), (128, 384, 9),
                                                  (256, 512, 1)])
 def test_variant_int4_gemv_equals_float64(variant, threads, group_size, K, rows):

@@ -76,8 +76,8 @@ constexpr int kPrefetchBytes = 2048;  // how far ahead of the loads the weight s
 
 // The SIMD path, for E one of the element types above. Weight rows [n0, n1) (w, stride K) against MR activation
 // rows (x, stride K) -> y (MR, N), each sum (times the row's scale, for int8) + bias rounded once. A accumulators
-// per activation row, so an add never waits for the one before it; each register of w is loaded once and used MR
-// times. x is of type E::X: fp32 where E widens the weights on load (a 16-bit x widened once per call, not once
+// per activation row, so an add never waits for the one before it (A does not depend on MR: a row sums in one
+// order in any batch); each register of w is loaded once and used MR times. x is of type E::X: fp32 where E widens the weights on load (a 16-bit x widened once per call, not once
 // per weight row), else E::T (AVX-512 bf16, whose dot instruction takes bf16 pairs).
 template <class E, int MR>
 static void rows_simd(const typename E::X* x, const typename E::T* w, const float* scale,
@@ -85,7 +85,7 @@ static void rows_simd(const typename E::X* x, const typename E::T* w, const floa
                       int64_t n1) {
   using T = typename E::T;
   using Acc = typename E::Acc;
-  constexpr int A = E::accumulators(MR), L = E::L;
+  constexpr int A = E::kAccumulators, L = E::L;
   for (int64_t n = n0; n < n1; ++n) {
     const T* row = w + n * K;
     Acc acc[MR][A];

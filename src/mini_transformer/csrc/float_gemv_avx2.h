@@ -14,9 +14,9 @@
 
 namespace {
 
-// 8 fp32 sums in a register; 16 registers: 4 accumulators per activation row up to 3 rows, 3 for 4 rows,
-// which leaves two for the weights and activations being loaded. The activations are read as fp32 (X), the
-// lanes past n masked off.
+// 8 fp32 sums in a register; 16 registers: 3 accumulators for each of up to 4 activation rows, which leaves
+// room for the weights and activations being loaded. The same 3 for any row count: a row's sum keeps one order
+// whatever batch it is in. The activations are read as fp32 (X), the lanes past n masked off.
 struct Ymm {
   using Acc = __m256;
   using X = float;
@@ -25,7 +25,7 @@ struct Ymm {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));  // lanes < n
   }
-  static constexpr int accumulators(int rows) { return rows <= 3 ? 4 : 3; }
+  static constexpr int kAccumulators = 3;
   static Acc zero() { return _mm256_setzero_ps(); }
   static Acc add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
   static float reduce(Acc a) {

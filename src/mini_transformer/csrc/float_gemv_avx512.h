@@ -23,7 +23,7 @@ struct Zmm {
   static __m512 loadx(const float* p, int n) {
     return n == 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), p);
   }
-  static constexpr int accumulators(int /*rows*/) { return 4; }
+  static constexpr int kAccumulators = 4;
   static Acc zero() { return _mm512_setzero_ps(); }
   static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
   static float reduce(Acc a) { return _mm512_reduce_add_ps(a); }
