@@ -212,6 +212,20 @@ def test_compiled_quantized_decode_gives_the_eager_tokens(kernel):
     assert torch.equal(got, generate(model, idx, 40))
 
 
+def test_int8_layer_takes_the_gemv_loop_only_where_its_weights_arrive_on_the_cpu():
+    """A layer made empty (as from_pretrained makes it, or on another device) does not build the C++; its
+    weights arriving on the CPU (from_linear, a state_dict load) decide."""
+    from mini_transformer.model import float_gemv
+
+    built = float_gemv.kernel_available(torch.int8)
+    assert not Int8Linear(16, 8, bias=False, device="meta").gemv_kernel
+    layer = Int8Linear.from_linear(nn.Linear(16, 8))
+    empty = Int8Linear(16, 8, bias=True)
+    assert layer.gemv_kernel == built and not empty.gemv_kernel
+    empty.load_state_dict(layer.state_dict())
+    assert empty.gemv_kernel == built
+
+
 def test_nibble_packing_round_trips():
     q = torch.randint(0, 16, (7, 10))
     packed = pack_nibbles(q)

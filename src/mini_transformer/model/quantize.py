@@ -73,8 +73,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", torch.ones(out_features, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
         self.use_kernel = False  # a plain attribute, set by quantize(): a compiled step sees a constant
-        # likewise whether a compiled decode step takes float_gemv.py's int8 loop (its SIMD path is built)
-        self.gemv_kernel = float_gemv.kernel_available(torch.int8)
+        # likewise whether a compiled decode step takes float_gemv.py's int8 loop: decided where CPU weights
+        # arrive (from_linear, a state_dict load), so a layer made on another device never builds the C++
+        self.gemv_kernel = False
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._pick_gemv())
+
+    def _pick_gemv(self) -> None:
+        self.gemv_kernel = self.weight.device.type == "cpu" and float_gemv.kernel_available(torch.int8)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -85,6 +90,7 @@ class Int8Linear(nn.Module):
         layer.scales.copy_(scales)
         if linear.bias is not None:
             layer.bias.copy_(linear.bias.detach())
+        layer._pick_gemv()
         return layer
 
     def dequantize(self) -> torch.Tensor:
@@ -93,7 +99,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]  # static under torch.compile
         if torch.compiler.is_compiling() and rows <= FUSED_MAX_ROWS:
-            if self.gemv_kernel and x.dtype == torch.float32 and x.device.type == "cpu":
+            if self.gemv_kernel and x.dtype == self.scales.dtype == torch.float32 and x.device.type == "cpu":
                 y = torch.ops.mt_float.gemv_int8(_flat(x), self.weight, self.scales, self.bias)  # bias included
                 return y.view(*x.shape[:-1], self.out_features)
             y = int8_rowwise(_flat(x), self.weight, self.scales).view(*x.shape[:-1], self.out_features)
