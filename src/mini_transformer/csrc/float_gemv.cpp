@@ -56,18 +56,24 @@ static void rows_generic(const Out<T>* x, const T* w, const float* scale, const 
   }
 }
 
+// f(std::integral_constant<int, MR>) for mr = 1..4 activation rows: the rows loops take MR as a template argument
+template <class F>
+static void with_rows(int64_t mr, const F& f) {
+  switch (mr) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, 4>{});
+  }
+}
+
 template <typename Scalar>
 struct Generic {
   using T = Scalar;
   using X = Out<T>;
   static void rows(const X* x, int64_t mr, const T* w, const float* scale, const Out<T>* bias, Out<T>* y, int64_t N,
                    int64_t K, int64_t n0, int64_t n1) {
-    switch (mr) {
-      case 1: return rows_generic<T, 1>(x, w, scale, bias, y, N, K, n0, n1);
-      case 2: return rows_generic<T, 2>(x, w, scale, bias, y, N, K, n0, n1);
-      case 3: return rows_generic<T, 3>(x, w, scale, bias, y, N, K, n0, n1);
-      default: return rows_generic<T, 4>(x, w, scale, bias, y, N, K, n0, n1);
-    }
+    with_rows(mr, [&](auto MR) { rows_generic<T, MR>(x, w, scale, bias, y, N, K, n0, n1); });
   }
 };
 
@@ -123,12 +129,7 @@ struct Simd {
   using X = typename E::X;
   static void rows(const X* x, int64_t mr, const T* w, const float* scale, const Out<T>* bias, Out<T>* y, int64_t N,
                    int64_t K, int64_t n0, int64_t n1) {
-    switch (mr) {
-      case 1: return rows_simd<E, 1>(x, w, scale, bias, y, N, K, n0, n1);
-      case 2: return rows_simd<E, 2>(x, w, scale, bias, y, N, K, n0, n1);
-      case 3: return rows_simd<E, 3>(x, w, scale, bias, y, N, K, n0, n1);
-      default: return rows_simd<E, 4>(x, w, scale, bias, y, N, K, n0, n1);
-    }
+    with_rows(mr, [&](auto MR) { rows_simd<E, MR>(x, w, scale, bias, y, N, K, n0, n1); });
   }
 };
 #endif
