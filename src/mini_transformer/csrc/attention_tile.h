@@ -20,6 +20,9 @@
 #include "attention_tile_avx2.h"
 #define ATTENTION_TILE_SIMD 1
 #endif
+#ifdef ATTENTION_TILE_SIMD
+#include "attention_tile_simd.h"
+#endif
 
 namespace {
 
@@ -103,12 +106,12 @@ static inline bool attention_tile_vectorized() {
 template <typename T>
 static inline void scores_tile(const float* q, const T* k_base, const int64_t* rows, const float* bias, int64_t n,
                                int64_t heads, int64_t group, int64_t D, float* scores, int64_t tile) {
-  scores_tile_simd(q, k_base, rows, bias, n, heads, group, D, scores, tile);
+  scores_tile_lanes<Lanes>(q, k_base, rows, bias, n, heads, group, D, scores, tile);
 }
 template <typename T>
 static inline void weighted_sum(float* acc, const float* p, int64_t tile, int64_t heads, const T* v_base,
                                 const int64_t* rows, int64_t offset, int64_t n, int64_t D) {
-  weighted_sum_simd(acc, p, tile, heads, v_base, rows, offset, n, D);
+  weighted_sum_lanes<Lanes>(acc, p, tile, heads, v_base, rows, offset, n, D);
 }
 static inline float exp_and_sum(float* x, int64_t n, float max) { return exp_and_sum_simd(x, n, max); }
 static inline float max_of(const float* x, int64_t n) { return max_simd(x, n); }

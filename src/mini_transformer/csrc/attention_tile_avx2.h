@@ -1,5 +1,5 @@
-// The AVX2 path of attention_tile.h: attention_tile_avx512.h's loops with 8 fp32 lanes per instruction and half
-// the registers (16): 8 keys scored at a time, V summed for 2 query heads at a time. AVX2 has no masked loads
+// The AVX2 path of attention_tile.h: 8 fp32 lanes per instruction and half AVX-512's registers (16): 8 keys
+// scored at a time, V summed for 2 query heads at a time (the loops: attention_tile_simd.h). AVX2 has no masked loads
 // of 16-bit values, no scalef and no horizontal reductions, so the tails, 2^k and the sums are spelled out.
 // Included only where the compiler has AVX2, FMA and F16C (and not AVX-512, which attention_tile_avx512.h takes).
 #pragma once
@@ -66,84 +66,23 @@ static inline __m256 sum8x8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(four[0], four[1], 0x20), _mm256_permute2f128_ps(four[0], four[1], 0x31));
 }
 
-// scores (heads, tile) of n keys, 8 keys at a time per query head: 8 independent sums, one per key, reduced
-// together by sum8x8. Key rows past n repeat the chunk's first (real rows, their scores never stored). The tail
-// past the last 8 floats of D goes one value at a time.
-template <typename T>
-static inline void scores_tile_simd(const float* q, const T* k_base, const int64_t* rows, const float* bias,
-                                    int64_t n, int64_t heads, int64_t group, int64_t D, float* scores, int64_t tile) {
-  for (int64_t t0 = 0; t0 < n; t0 += 8) {
-    const int64_t width = std::min<int64_t>(8, n - t0);
-    const __m256i live = live8(width);
-    const T* k[8];  // the chunk's key rows
-    for (int j = 0; j < 8; ++j) k[j] = k_base + rows[t0 + (j < width ? j : 0)];
-    const __m256 b = bias ? _mm256_maskload_ps(bias + t0, live) : _mm256_setzero_ps();
-    for (int64_t i = 0; i < heads; ++i) {
-      const float* qi = q + i * D;
-      const int64_t kv = (i / group) * D;  // where this head's kv head starts in a row
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      int64_t d = 0;
-      for (; d + 8 <= D; d += 8) {
-        const __m256 qd = _mm256_loadu_ps(qi + d);
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, load8(k[j] + kv + d), acc[j]);
-      }
-      float tail[8] = {};
-      for (; d < D; ++d)
-        for (int64_t j = 0; j < width; ++j) tail[j] += qi[d] * static_cast<float>(k[j][kv + d]);
-      const __m256 s = _mm256_add_ps(_mm256_add_ps(sum8x8(acc), _mm256_loadu_ps(tail)), b);
-      _mm256_maskstore_ps(scores + i * tile + t0, live, s);
-    }
-  }
-}
-
-// acc (G, D) += p (G, tile) @ V over n rows for G <= 2 query heads of one kv head, v_t = v_base + rows[t] +
-// offset: each 8 floats of a V row loaded once for the G heads, 32 floats of each head's acc in registers for
-// all n rows (4 x G sums, the row's vector and G weights: 11 of the 16 registers).
-template <int G, typename T>
-static inline void weighted_sum_heads_avx2(float* acc, const float* p, int64_t tile, const T* v_base,
-                                           const int64_t* rows, int64_t offset, int64_t n, int64_t D) {
-  int64_t d = 0;
-  for (; d + 32 <= D; d += 32) {
-    __m256 a[G][4];
-    for (int h = 0; h < G; ++h)
-      for (int j = 0; j < 4; ++j) a[h][j] = _mm256_loadu_ps(acc + h * D + d + 8 * j);
-    for (int64_t t = 0; t < n; ++t) {
-      const T* v = v_base + rows[t] + offset + d;
-      __m256 w[G];
-      for (int h = 0; h < G; ++h) w[h] = _mm256_set1_ps(p[h * tile + t]);
-      for (int j = 0; j < 4; ++j) {
-        const __m256 vj = load8(v + 8 * j);
-        for (int h = 0; h < G; ++h) a[h][j] = _mm256_fmadd_ps(w[h], vj, a[h][j]);
-      }
-    }
-    for (int h = 0; h < G; ++h)
-      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc + h * D + d + 8 * j, a[h][j]);
-  }
-  for (; d + 8 <= D; d += 8)
-    for (int h = 0; h < G; ++h) {
-      __m256 a = _mm256_loadu_ps(acc + h * D + d);
-      for (int64_t t = 0; t < n; ++t)
-        a = _mm256_fmadd_ps(_mm256_set1_ps(p[h * tile + t]), load8(v_base + rows[t] + offset + d), a);
-      _mm256_storeu_ps(acc + h * D + d, a);
-    }
-  for (; d < D; ++d)
-    for (int h = 0; h < G; ++h)
-      for (int64_t t = 0; t < n; ++t)
-        acc[h * D + d] += p[h * tile + t] * static_cast<float>(v_base[rows[t] + offset + d]);
-}
-
-// weighted_sum_heads_avx2 for any number of query heads sharing the kv head at offset, 2 at a time
-template <typename T>
-static inline void weighted_sum_simd(float* acc, const float* p, int64_t tile, int64_t heads, const T* v_base,
-                                     const int64_t* rows, int64_t offset, int64_t n, int64_t D) {
-  for (int64_t h = 0; h < heads; h += 2) {
-    if (heads - h >= 2)
-      weighted_sum_heads_avx2<2>(acc + h * D, p + h * tile, tile, v_base, rows, offset, n, D);
-    else
-      weighted_sum_heads_avx2<1>(acc + h * D, p + h * tile, tile, v_base, rows, offset, n, D);
-  }
-}
+// attention_tile_simd.h's register type: 8 fp32 lanes; 16 registers let one V row serve 2 query heads (4 x 2
+// sums, the row's vector and 2 weights: 11 of them)
+struct Lanes {
+  using V = __m256;
+  static constexpr int L = 8, kMaxHeads = 2;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  template <typename T>
+  static V load(const T* p) { return load8(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static __m256i live(int64_t n) { return live8(n); }
+  static V load_live(const float* p, __m256i m) { return _mm256_maskload_ps(p, m); }
+  static void store_live(float* p, __m256i m, V v) { _mm256_maskstore_ps(p, m, v); }
+  static V sum_lanes(const V* v) { return sum8x8(v); }
+};
 
 // the largest of x (n,), 8 at a time, the lanes past n left at -inf
 static inline float max_simd(const float* x, int64_t n) {

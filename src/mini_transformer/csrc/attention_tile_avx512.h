@@ -1,5 +1,5 @@
 // The AVX-512 path of attention_tile.h: 16 fp32 lanes per instruction, 16-bit keys and values widened as they
-// load. Included only where the compiler has AVX-512 F.
+// load; its register type runs the loops of attention_tile_simd.h. Included only where the compiler has AVX-512 F.
 #pragma once
 #include <ATen/ATen.h>
 #include <immintrin.h>
@@ -51,89 +51,22 @@ static inline __m512 sum16x16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
 }
 
-// scores (heads, tile) of n keys, 16 keys at a time per query head: 16 independent sums (no FMA waits on
-// the one before), one per key, reduced together by sum16x16. Key rows past n repeat the chunk's first (real
-// rows, their scores never stored). The tail past the last 16 floats of D goes one value at a time.
-template <typename T>
-static inline void scores_tile_simd(const float* q, const T* k_base, const int64_t* rows, const float* bias,
-                                    int64_t n, int64_t heads, int64_t group, int64_t D, float* scores, int64_t tile) {
-  for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    const int64_t width = std::min<int64_t>(16, n - t0);
-    const __mmask16 live = width == 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
-    const T* k[16];  // the chunk's key rows
-    for (int j = 0; j < 16; ++j) k[j] = k_base + rows[t0 + (j < width ? j : 0)];
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + t0) : _mm512_setzero_ps();
-    for (int64_t i = 0; i < heads; ++i) {
-      const float* qi = q + i * D;
-      const int64_t kv = (i / group) * D;  // where this head's kv head starts in a row
-      __m512 acc[16];
-      for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-      int64_t d = 0;
-      for (; d + 16 <= D; d += 16) {
-        const __m512 qd = _mm512_loadu_ps(qi + d);
-        for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qd, load16(k[j] + kv + d), acc[j]);
-      }
-      float tail[16] = {};
-      for (; d < D; ++d)
-        for (int64_t j = 0; j < width; ++j) tail[j] += qi[d] * static_cast<float>(k[j][kv + d]);
-      const __m512 s = _mm512_add_ps(_mm512_add_ps(sum16x16(acc), _mm512_loadu_ps(tail)), b);
-      _mm512_mask_storeu_ps(scores + i * tile + t0, live, s);
-    }
-  }
-}
-
-// acc (G, D) += p (G, tile) @ V over n rows for G query heads of one kv head, v_t = v_base + rows[t] + offset.
-// Each 16 floats of a V row are loaded once for all G heads, and 64 floats of each head's acc stay in registers
-// for all n rows (written back once, not once per row: a store-then-load of acc per row would be the loop's
-// critical path); G <= 4, so 4 x G sums, the row's 4 vectors and G weights fit the 32 registers.
-template <int G, typename T>
-static inline void weighted_sum_heads_avx512(float* acc, const float* p, int64_t tile, const T* v_base,
-                                             const int64_t* rows, int64_t offset, int64_t n, int64_t D) {
-  int64_t d = 0;
-  for (; d + 64 <= D; d += 64) {
-    __m512 a[G][4];
-    for (int h = 0; h < G; ++h)
-      for (int j = 0; j < 4; ++j) a[h][j] = _mm512_loadu_ps(acc + h * D + d + 16 * j);
-    for (int64_t t = 0; t < n; ++t) {
-      const T* v = v_base + rows[t] + offset + d;
-      __m512 w[G];
-      for (int h = 0; h < G; ++h) w[h] = _mm512_set1_ps(p[h * tile + t]);
-      for (int j = 0; j < 4; ++j) {
-        const __m512 vj = load16(v + 16 * j);
-        for (int h = 0; h < G; ++h) a[h][j] = _mm512_fmadd_ps(w[h], vj, a[h][j]);
-      }
-    }
-    for (int h = 0; h < G; ++h)
-      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + h * D + d + 16 * j, a[h][j]);
-  }
-  for (; d + 16 <= D; d += 16)
-    for (int h = 0; h < G; ++h) {
-      __m512 a = _mm512_loadu_ps(acc + h * D + d);
-      for (int64_t t = 0; t < n; ++t)
-        a = _mm512_fmadd_ps(_mm512_set1_ps(p[h * tile + t]), load16(v_base + rows[t] + offset + d), a);
-      _mm512_storeu_ps(acc + h * D + d, a);
-    }
-  for (; d < D; ++d)
-    for (int h = 0; h < G; ++h)
-      for (int64_t t = 0; t < n; ++t)
-        acc[h * D + d] += p[h * tile + t] * static_cast<float>(v_base[rows[t] + offset + d]);
-}
-
-// weighted_sum_heads_avx512 for any number of query heads sharing the kv head at offset, 4 at a time
-template <typename T>
-static inline void weighted_sum_simd(float* acc, const float* p, int64_t tile, int64_t heads, const T* v_base,
-                                     const int64_t* rows, int64_t offset, int64_t n, int64_t D) {
-  for (int64_t h = 0; h < heads; h += 4) {
-    float* a = acc + h * D;
-    const float* ph = p + h * tile;
-    switch (std::min<int64_t>(4, heads - h)) {
-      case 4: weighted_sum_heads_avx512<4>(a, ph, tile, v_base, rows, offset, n, D); break;
-      case 3: weighted_sum_heads_avx512<3>(a, ph, tile, v_base, rows, offset, n, D); break;
-      case 2: weighted_sum_heads_avx512<2>(a, ph, tile, v_base, rows, offset, n, D); break;
-      default: weighted_sum_heads_avx512<1>(a, ph, tile, v_base, rows, offset, n, D);
-    }
-  }
-}
+// attention_tile_simd.h's register type: 16 fp32 lanes; 32 registers let one V row serve 4 query heads
+struct Lanes {
+  using V = __m512;
+  static constexpr int L = 16, kMaxHeads = 4;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  template <typename T>
+  static V load(const T* p) { return load16(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static __mmask16 live(int64_t n) { return n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1); }
+  static V load_live(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+  static void store_live(float* p, __mmask16 m, V v) { _mm512_mask_storeu_ps(p, m, v); }
+  static V sum_lanes(const V* v) { return sum16x16(v); }
+};
 
 // the largest of x (n,), 16 at a time, the lanes past n masked off
 static inline float max_simd(const float* x, int64_t n) {
