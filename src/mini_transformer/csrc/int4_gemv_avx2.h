@@ -35,6 +35,7 @@ static float row_dot_avx2(const uint8_t* w, const float* sl, const int8_t* xq, c
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   float low = 0.f;
   for (int64_t g = 0; g < G; ++g) {
+    prefetch_ahead(w + g * group / 2, sl + 2 * g);
     __m256i dot = dot64_avx2(w + g * group / 2, xq + g * group);
     for (int64_t c = 64; c < group; c += 64)
       dot = _mm256_add_epi32(dot, dot64_avx2(w + (g * group + c) / 2, xq + g * group + c));

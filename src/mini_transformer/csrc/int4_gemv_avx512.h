@@ -70,6 +70,7 @@ static float row_dot_vnni(const uint8_t* w, const float* sl, const int8_t* xq, c
   if (group == 64) {
     const __m512i pick = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int64_t k = 0; k < K; k += 128) {
+      prefetch_ahead(w + k / 2, sl + k / 32);
       const __m512i dot = dot128(w + k / 2, xq + k, _mm512_setzero_si512());
       // scale, low of the two groups, (4,) repeated: s0 l0 s1 l1 s0 l0 ...
       const __m512 s_l = _mm512_broadcast_f32x4(_mm_loadu_ps(sl + k / 32));
@@ -82,7 +83,10 @@ static float row_dot_vnni(const uint8_t* w, const float* sl, const int8_t* xq, c
   float y = 0.f;
   for (int64_t g = 0; g < G; ++g) {
     __m512i dot = _mm512_setzero_si512();
-    for (int64_t k = g * group; k < (g + 1) * group; k += 128) dot = dot128(w + k / 2, xq + k, dot);
+    for (int64_t k = g * group; k < (g + 1) * group; k += 128) {
+      prefetch_ahead(w + k / 2, sl + 2 * g);
+      dot = dot128(w + k / 2, xq + k, dot);
+    }
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(sl[2 * g] * dx[g]), acc);
     y += sl[2 * g + 1] * xsum[g];
   }
