@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .._checks import boolean, integer, non_negative_int, number, positive_int, probability, token_ids
+from ..model.fused_ops import argmax_rows
 from .structured import StructuredOutput
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
@@ -318,5 +319,5 @@ def sample_next(
     logits = penalised_logits(logits, params, previous_ids=previous_ids, previous_mask=previous_mask,
                               output_ids=output_ids, stop_ids=stop_ids)
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return argmax_rows(logits)  # the C++ one-pass argmax on CPU fp32, else torch.argmax
     return sample_from(filtered_logits(logits, params), generator)
