@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..model import huge_pages
 from ..model.cache import AttendFn
 from ..model.transformer import TransformerLM
 from .cpu_decode import GraphReplay, cpu_decode_backend
@@ -177,10 +178,13 @@ def compiled_decode_step(device: torch.device | str) -> Callable:
 
 class CompiledDecoder:
     """generate(compile=True)'s decoder (decoders.py's interface): an eager prefill into a `StaticCache`
-    of at least `needed_len` slots, then `compiled_decode_step` once per token on that cache."""
+    of at least `needed_len` slots, then `compiled_decode_step` once per token on that cache. On the CPU the
+    model's large weights are first moved into 2 MB pages (model/huge_pages.py), once per model."""
 
     def __init__(self, model: TransformerLM, batch_size: int, needed_len: int, device: torch.device | str):
         self.model = model
+        if torch.device(device).type == "cpu":
+            huge_pages.place_weights(model)  # every step streams the weights: into 2 MB pages, once per model
         max_len = static_length(needed_len, model.config.max_seq_len)
         self.cache = decode_cache(model, batch_size, max_len, dtype=model.tok_emb.weight.dtype, device=device)
         self.compiled_step = compiled_decode_step(device)

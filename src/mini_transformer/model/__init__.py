@@ -8,6 +8,7 @@
   quantize.py     int8 / int4 weight-only linears (stage 7, docs 08): a quantized model is still this model
   int4_gemv.py    the int4 GEMV of a decode step (C++ in csrc/, activations rounded to int8) + its reference
   float_gemv.py   the fp32 / bf16 / fp16 GEMV of a CPU decode step (C++ in csrc/, fp32 sums) + its reference
+  huge_pages.py   a model's weights moved into 2 MB pages, so a CPU decode step streams them with fewer TLB misses
 
 Attention itself lives one floor down (attention/), checkpoint files beside it (checkpoint/).
 """
