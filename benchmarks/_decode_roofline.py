@@ -13,6 +13,7 @@ import torch.nn as nn
 from _common import synchronize
 
 from mini_transformer import TransformerConfig
+from mini_transformer.model import huge_pages
 from mini_transformer.model.layers import RMSNorm
 from mini_transformer.model.quantize import Int4Linear, Int8Linear
 
@@ -26,15 +27,23 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=0)
 
 
-def measure_bandwidth(device: str = "cpu", mbytes: int | None = None, repeats: int = 5) -> tuple[float, float]:
+def measure_bandwidth(device: str = "cpu", mbytes: int | None = None, repeats: int = 5,
+                      huge: bool = True) -> tuple[float, float]:
     """(copy, read) bytes per second over a tensor of `mbytes` MB on `device` (on the CPU by default 4x the
     last-level cache and at least 256 MB, so the figure is memory's, not the cache's), each the best of
     `repeats`, at the current thread count. copy = dst.copy_(src), counted as read + write; read =
-    src.sum(), reading only, as a decode step reads its weights. The ceiling uses the read figure."""
+    src.sum(), reading only, as a decode step reads its weights. The ceiling uses the read figure. On the CPU
+    both tensors sit in 2 MB pages where the OS gives them (model/huge_pages.py), as the decode's weights do;
+    huge=False leaves them in the allocator's 4 KB pages."""
     if mbytes is None:
         mbytes = max(256, 4 * last_level_cache_bytes() // 2**20) if device == "cpu" else 256
-    src = torch.ones(mbytes * 2**20 // 4, device=device)
-    dst = torch.empty_like(src)
+    n = mbytes * 2**20 // 4
+    if device == "cpu" and huge and huge_pages.available():  # in 2 MB pages, as a CPU decode step's weights are
+        src = huge_pages.huge_page_empty((n,), torch.float32).fill_(1)
+        dst = huge_pages.huge_page_empty((n,), torch.float32)
+    else:
+        src = torch.ones(n, device=device)
+        dst = torch.empty_like(src)
     best_copy = best_read = float("inf")
     for _ in range(repeats):
         synchronize(device)

@@ -13,12 +13,15 @@ through it, on the 124.7M Llama of vs_llama_cpp.py (its layout, random weights).
   threads every GEMV kernel (fp32, bf16, fp16 and the int4 one, group 64) over the same weight matrices at
           each of --thread-counts, beside the read roof measured at that count in the same run: how much a
           second core adds to a GEMV is what it adds to the memory bandwidth (docs/08b §4)
+  pages   the fp32 kernel and the read roof in 4 KB and in 2 MB pages at each --thread-counts: what the
+          address translations cost a stream of weights (model/huge_pages.py; docs/08b §4)
   ppl     a small char model trained here, held-out perplexity scored token by token through the compiled
           decode step: fp32, bf16 (through the kernel), and bf16 eager forwards
 
     OMP_NUM_THREADS=1 python benchmarks/bench_float_gemv.py --threads 1
     python benchmarks/bench_float_gemv.py --threads 1 --parts decode --profile   # where a step goes
     python benchmarks/bench_float_gemv.py --parts threads --thread-counts 1 2    # the thread-scaling table
+    python benchmarks/bench_float_gemv.py --parts pages --thread-counts 1 2      # 4 KB vs 2 MB pages
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from _common import LLAMA_124M, add_common_args, apply_common_args, load_average
 from _decode_roofline import measure_bandwidth
 
 from mini_transformer import TransformerConfig, TransformerLM, generate
+from mini_transformer.model import huge_pages
 from mini_transformer.model.float_gemv import DTYPES, float_gemv, kernel_available
 from mini_transformer.model.int4_gemv import kernel_available as int4_kernel_available
 from mini_transformer.model.quantize import Int4Linear
@@ -90,22 +94,33 @@ def run_gemv(model: TransformerLM, repeats: int) -> None:
 
 def thread_scaling_calls(model: TransformerLM) -> dict[str, tuple]:
     """name -> (a call running that GEMV kernel over every weight matrix of the model, one row x each, and the
-    bytes it reads): the float kernel in each dtype it is built for, and the int4 one (group 64)."""
+    bytes it reads): the float kernel in each dtype it is built for, and the int4 one (group 64); the weights
+    in 2 MB pages, as a compiled decode step reads them (model/huge_pages.py)."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     calls = {}
     for dtype in (d for d in DTYPES if kernel_available(d)):
-        weights = [m.weight.detach().to(dtype) for m in linears]
+        weights = in_huge_pages([m.weight.detach().to(dtype) for m in linears])
         xs = {w.shape[1]: torch.randn(1, w.shape[1]).to(dtype) for w in weights}
         calls[f"kernel {NAMES[dtype]}"] = (lambda ws=weights, xs=xs: [float_gemv(xs[w.shape[1]], w) for w in ws],
                                            sum(w.nbytes for w in weights))
     if int4_kernel_available():
         layers = [Int4Linear.from_linear(m, 64) for m in linears]
+        huge_pages.place_weights(nn.ModuleList(layers))
         xs = {m.in_features: torch.randn(1, m.in_features) for m in linears}
 
         def int4():
             return [torch.ops.mt_gemv.int4(xs[q.in_features], q.weight, q.gemv_scale_low, 64) for q in layers]
         calls["kernel int4 (group 64)"] = (int4, sum(q.weight.nbytes + q.gemv_scale_low.nbytes for q in layers))
     return calls
+
+
+def in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` in 2 MB pages where the OS gives them, as generate(compile=True) places a model's."""
+    holder = nn.Module()
+    for i, t in enumerate(tensors):
+        holder.register_buffer(f"t{i}", t.clone())
+    huge_pages.place_weights(holder)
+    return [getattr(holder, f"t{i}") for i in range(len(tensors))]
 
 
 def run_thread_scaling(model: TransformerLM, repeats: int, counts: list[int]) -> None:
@@ -134,6 +149,33 @@ def run_thread_scaling(model: TransformerLM, repeats: int, counts: list[int]) ->
     columns = {"method": "method", **{n: f"GB/s, {n} thread{'s' * (n > 1)}" for n in counts},
                "gain": f"{counts[-1]} vs {counts[0]}", "share": f"of the roof at {counts[-1]}"}
     print(table(rows, columns))
+
+
+def run_page_sizes(model: TransformerLM, repeats: int, counts: list[int]) -> None:
+    """The fp32 GEMV over every weight matrix of the model and the read roof, each in the allocator's 4 KB pages
+    and in 2 MB pages, at each thread count: what a page-table walk per 4 KB costs a stream of weights."""
+    if not (kernel_available(torch.float32) and huge_pages.available()):
+        print("\npages: needs the fp32 kernel and 2 MB pages (Linux, transparent_hugepage not 'never')")
+        return
+    small = [m.weight.detach() for m in model.modules() if isinstance(m, nn.Linear)]  # as torch allocated them
+    calls = {"4 KB": small, "2 MB": in_huge_pages(small)}
+    xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in small}
+    nbytes, before, rows = sum(w.nbytes for w in small), torch.get_num_threads(), []
+    try:
+        for n in counts:
+            torch.set_num_threads(n)
+            roof = {pages: measure_bandwidth("cpu", huge=pages == "2 MB")[1] / 1e9 for pages in calls}
+            timings = time_interleaved({pages: lambda ws=ws: [float_gemv(xs[w.shape[1]], w) for w in ws]
+                                        for pages, ws in calls.items()}, repeats=repeats, warmup=2)
+            gbs = {pages: nbytes / timings[pages].median / 1e9 for pages in calls}
+            rows.append({"threads": n, "roof4": roof["4 KB"], "roof2": roof["2 MB"], "gemv4": gbs["4 KB"],
+                         "gemv2": gbs["2 MB"], "gain": f"{gbs['2 MB'] / gbs['4 KB']:.2f}x"})
+    finally:
+        torch.set_num_threads(before)
+    print(f"\nfp32 GEMV over every weight matrix of the model ({nbytes / 1e6:.0f} MB), 1 row, in 4 KB and 2 MB pages, "
+          f"median of {repeats} alternating runs; {load_average()}")
+    print(table(rows, {"threads": "threads", "roof4": "read roof, 4 KB pages", "roof2": "read roof, 2 MB pages",
+                       "gemv4": "GEMV GB/s, 4 KB pages", "gemv2": "GEMV GB/s, 2 MB pages", "gain": "2 MB vs 4 KB"}))
 
 
 def timed_generate(model, prompt, n, compile_: bool = True):
@@ -259,7 +301,7 @@ def run_perplexity(steps: int, data: str | None) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", nargs="+", default=["gemv", "decode", "ppl"],
-                   choices=["gemv", "threads", "decode", "ppl"])
+                   choices=["gemv", "threads", "pages", "decode", "ppl"])
     p.add_argument("--thread-counts", nargs="+", type=int, default=[1, 2], help="threads: the counts compared")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
@@ -282,6 +324,8 @@ def main(argv=None) -> None:
         run_gemv(fp32, args.repeats * 3)
     if "threads" in args.parts:
         run_thread_scaling(fp32, args.repeats * 3, args.thread_counts)
+    if "pages" in args.parts:
+        run_page_sizes(fp32, args.repeats * 3, args.thread_counts)
     if "decode" in args.parts:
         run_decode(args.new_tokens, args.repeats, args.threads)
     if args.profile:
