@@ -12,11 +12,11 @@ from mini_transformer.model import huge_pages
 pytestmark = pytest.mark.skipif(not huge_pages.available(), reason="this OS gives no 2 MB pages to a mapping")
 
 
-def small_model() -> TransformerLM:
+def small_model(tie_weights: bool = False) -> TransformerLM:
     torch.manual_seed(0)
     cfg = TransformerConfig(vocab_size=512, d_model=128, n_heads=4, n_kv_heads=2, n_layer=2, d_ff=384,
                             max_seq_len=128, pos_emb="rope", norm="rmsnorm", ffn="swiglu", bias=False,
-                            tie_weights=False)
+                            tie_weights=tie_weights)
     return TransformerLM(cfg).eval()
 
 
@@ -38,6 +38,7 @@ def test_place_weights_keeps_values_parameters_and_separate_storages(tmp_path):
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     for p in big:
+        assert getattr(p, huge_pages._MARK) == p.data_ptr()  # moved
         assert p.data_ptr() % 4096 == 0 and p.untyped_storage().nbytes() == p.nbytes  # its own storage
     assert len({p.untyped_storage().data_ptr() for p in big}) == len(big)
     assert huge_pages.place_weights(model) == 0  # placed once
@@ -65,3 +66,30 @@ def test_compiled_decode_on_placed_weights_equals_eager():
     assert torch.equal(generate(model, prompt, 12, compile=True), eager)  # CompiledDecoder places the weights
     assert model.blocks[0].ffn.w_up.weight.data_ptr() % 4096 == 0
     assert huge_pages.place_weights(model) == 0
+
+
+def test_tied_weights_and_a_buffer_in_two_modules_move_once():
+    model = small_model(tie_weights=True)
+    assert model.lm_head.weight is model.tok_emb.weight
+    shared = torch.randn(128, 128)
+    model.blocks[0].register_buffer("extra", shared)
+    model.blocks[1].register_buffer("extra", shared)
+    unique = {id(t): t for t in [*model.parameters(), shared] if t.nbytes >= huge_pages.MIN_BYTES}
+    assert huge_pages.place_weights(model) == sum(t.nbytes for t in unique.values())
+    assert model.lm_head.weight is model.tok_emb.weight
+    assert model.blocks[0].extra is model.blocks[1].extra and torch.equal(model.blocks[0].extra, shared)
+    assert model.blocks[0].extra.data_ptr() != shared.data_ptr()
+
+
+def test_a_model_trains_and_loads_after_a_compiled_decode_moved_its_weights():
+    """generate() runs under inference mode; the moved weights must still take gradients and in-place updates."""
+    model = small_model()
+    generate(model, torch.randint(0, 512, (1, 5)), 3, compile=True)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    idx = torch.randint(0, 512, (2, 9))
+    _, loss = model(idx, targets=idx)
+    loss.backward()
+    optimizer.step()
+    model.load_state_dict(small_model().state_dict())
+    assert torch.equal(model.blocks[0].ffn.w_up.weight, small_model().blocks[0].ffn.w_up.weight)

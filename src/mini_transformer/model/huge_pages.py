@@ -16,7 +16,7 @@ Moving a weight copies its values into a fresh mapping and points the parameter 
 the Parameter objects, their values and dtypes are unchanged, so an optimiser, the state_dict and a compiled
 step still see the same model. A tensor that shares its storage with another (a view, a slice of a packed
 weight) stays where it is. Where the OS cannot give 2 MB pages (not Linux, THP "never") nothing moves.
-What it gains: docs/08b §4 (benchmarks/bench_float_gemv.py --parts threads, the decode with and without).
+What it gains: docs/08b §4 (benchmarks/bench_float_gemv.py --parts pages).
 """
 
 from __future__ import annotations
@@ -71,29 +71,44 @@ def _tensor(mapping: mmap.mmap, offset: int, shape: tuple[int, ...] | torch.Size
 
 def place_weights(model: nn.Module) -> int:
     """Move every CPU parameter and buffer of at least MIN_BYTES that owns its whole storage into one mapping of
-    2 MB pages, each at a 4 KB boundary (weights smaller than a page share one), once: a second call finds them
-    placed. Returns the bytes this call moved (0 where available() is False)."""
+    2 MB pages, each from a 4 KB boundary, once: a second call finds them placed. A tensor registered in several
+    modules (tied weights) moves once. Returns the bytes this call moved (0 where available() is False).
+    Not while another thread runs the model: each old storage is freed as its tensor moves."""
     if not available():
         return 0
-    slots = [(module, name, t) for module in model.modules()
-             for name, t in [*module._parameters.items(), *module._buffers.items()] if t is not None and _movable(t)]
-    offsets, total = [], 0
-    for _, _, t in slots:
-        offsets.append(total)
-        total += -(-t.nbytes // 4096) * 4096
+    slots, seen = [], set()
+    for module in model.modules():
+        for t in [*module._parameters.values(), *module._buffers.values()]:
+            if t is not None and id(t) not in seen and _movable(t):
+                seen.add(id(t))
+                slots.append(t)
     if not slots:
         return 0
+    offsets, total = [], 0
+    for t in slots:
+        offsets.append(total)
+        total += -(-t.nbytes // 4096) * 4096
     mapping, start = _mapping(total)
-    for (module, name, t), offset in zip(slots, offsets, strict=True):
-        new = _tensor(mapping, start + offset, t.shape, t.dtype).copy_(t.detach())
-        if isinstance(t, nn.Parameter):
-            t.data = new
-        else:
-            module._buffers[name] = t = new
-        setattr(t, _MARK, t.data_ptr())  # a later `t.data = ...` elsewhere changes the pointer: moved again
-    return sum(t.nbytes for _, _, t in slots)
+    moved = {}  # id of a moved buffer -> its copy
+    # generate() runs under inference mode, whose tensors autograd and in-place updates refuse later: the copies
+    # must be ordinary tensors, or the model could not be trained or loaded into after a compiled decode
+    with torch.inference_mode(False):
+        for t, offset in zip(slots, offsets, strict=True):
+            new = _tensor(mapping, start + offset, t.shape, t.dtype).copy_(t.detach())
+            if isinstance(t, nn.Parameter):
+                t.data = new
+                new = t
+            else:
+                moved[id(t)] = new
+            setattr(new, _MARK, new.data_ptr())  # a later `t.data = ...` elsewhere changes the pointer: moved again
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None and id(b) in moved:
+                module._buffers[name] = moved[id(b)]
+    return sum(t.nbytes for t in slots)
 
 
 def _movable(t: torch.Tensor) -> bool:
-    return (t.device.type == "cpu" and t.nbytes >= MIN_BYTES and t.is_contiguous() and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == t.nbytes and getattr(t, _MARK, None) != t.data_ptr())
+    return (t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized and t.nbytes >= MIN_BYTES
+            and t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+            and getattr(t, _MARK, None) != t.data_ptr())
