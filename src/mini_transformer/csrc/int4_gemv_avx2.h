@@ -1,7 +1,8 @@
 // The AVX2 path of int4_gemv.cpp, for groups of 64k: per 64 inputs, 32 packed bytes are loaded once, split into
 // low and high nibbles, and each half meets its 32 int8 activations (the generic loop's order: evens, then
 // odds) in one vpmaddubsw (u8 x s8 products added in pairs to int16), then vpmaddwd against ones (pairs of
-// int16 to 8 int32 lanes). Included only where the compiler has AVX2 and FMA, and not AVX512-VNNI.
+// int16 to 8 int32 lanes). Included only where the compiler has AVX2 and FMA, and not AVX512-VNNI, by
+// int4_gemv.cpp (which defines prefetch_ahead before it).
 #pragma once
 #include <immintrin.h>
 
@@ -37,8 +38,10 @@ static float row_dot_avx2(const uint8_t* w, const float* sl, const int8_t* xq, c
   for (int64_t g = 0; g < G; ++g) {
     prefetch_ahead(w + g * group / 2, sl + 2 * g);
     __m256i dot = dot64_avx2(w + g * group / 2, xq + g * group);
-    for (int64_t c = 64; c < group; c += 64)
+    for (int64_t c = 64; c < group; c += 64) {
+      prefetch_ahead(w + (g * group + c) / 2, sl + 2 * g);
       dot = _mm256_add_epi32(dot, dot64_avx2(w + (g * group + c) / 2, xq + g * group + c));
+    }
     acc[g % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sl[2 * g] * dx[g]), acc[g % 2]);
     low += sl[2 * g + 1] * xsum[g];
   }

@@ -1,6 +1,7 @@
 // The AVX512-VNNI path of int4_gemv.cpp: per 128 inputs, 64 packed bytes are loaded once, split into low and
 // high nibbles, and each half meets its 64 int8 activations in one vpdpbusd (64 u8 x s8 products summed into
-// 16 int32 lanes). Included only where the compiler has AVX512-VNNI, BW and VL.
+// 16 int32 lanes). Included only where the compiler has AVX512-VNNI, BW and VL, by int4_gemv.cpp (which defines
+// prefetch_ahead before it).
 #pragma once
 #include <immintrin.h>
 
