@@ -115,10 +115,11 @@ def thread_scaling_calls(model: TransformerLM) -> dict[str, tuple]:
 
 
 def in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of `tensors` in 2 MB pages where the OS gives them, as generate(compile=True) places a model's."""
+    """Copies of `tensors` in 2 MB pages where the OS gives them, as generate(compile=True) places a model's
+    (place_weights copies each into the mapping and swaps it into the holder; the tensors passed stay as they are)."""
     holder = nn.Module()
     for i, t in enumerate(tensors):
-        holder.register_buffer(f"t{i}", t.clone())
+        holder.register_buffer(f"t{i}", t)
     huge_pages.place_weights(holder)
     return [getattr(holder, f"t{i}") for i in range(len(tensors))]
 
