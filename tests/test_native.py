@@ -166,7 +166,7 @@ def test_variant_fused_ops_equal_their_references(variant):
 
 
 def test_variant_kernels_same_bits_on_1_and_2_threads(variant):
-    """Shapes past each kernel's grain (1001 weight rows, several chunks of csrc/row_split.h; kv heads or
+    """Shapes past each kernel's grain (1001 weight rows, split in halves by csrc/row_split.h; kv heads or
     sequences to split): each output summed by one thread in one order, so 1 and 2 threads give the same bits."""
     torch.manual_seed(0)
     layer = Int4Linear.from_linear(nn.Linear(1024, 1001, bias=False), 64)
