@@ -136,8 +136,8 @@ def test_int4_gemv_kernel_over_shapes(threads, group_size, groups, out_features,
 
 @pytest.mark.parametrize("group_size", [32, 64])  # the plain loop (K = 64 x odd) and the VNNI one
 def test_int4_gemv_kernel_same_bits_on_1_and_2_threads(group_size):
-    """1001 weight rows, several of csrc/row_split.h's chunks and a short last one: at 2 threads each chunk is
-    summed by one thread, in the order 1 thread would, so the bits are the same."""
+    """1001 weight rows: at 2 threads csrc/row_split.h gives each thread half of them, the second half starting
+    inside a block of the 4-row loop; each row is summed in the order 1 thread would, so the bits are the same."""
     if not kernel_available():
         pytest.skip("the int4 C++ kernel cannot be built here")
     torch.manual_seed(group_size)
@@ -146,6 +146,21 @@ def test_int4_gemv_kernel_same_bits_on_1_and_2_threads(group_size):
     x = torch.randn(3, K)
     args = (x, layer.weight, layer.gemv_scale_low, group_size)
     assert torch.equal(on_threads(1, torch.ops.mt_gemv.int4, *args), on_threads(2, torch.ops.mt_gemv.int4, *args))
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_gemv_kernel_row_same_bits_alone_or_among_rows(group_size):
+    """The VNNI loop takes weight rows 4 at a time and the last ones singly: each row's output is the same as
+    that row's alone (a 1-row weight), whichever block it fell in."""
+    if not kernel_available():
+        pytest.skip("the int4 C++ kernel cannot be built here")
+    torch.manual_seed(group_size)
+    layer = Int4Linear.from_linear(nn.Linear(512, 11, bias=False), group_size)
+    x = torch.randn(2, 512)
+    together = torch.ops.mt_gemv.int4(x, layer.weight, layer.gemv_scale_low, group_size)
+    for n in range(11):
+        alone = torch.ops.mt_gemv.int4(x, layer.weight[n:n + 1], layer.gemv_scale_low[n:n + 1], group_size)
+        assert torch.equal(alone, together[:, n:n + 1])
 
 
 def test_int8_kernel_equals_dequantize_then_matmul():

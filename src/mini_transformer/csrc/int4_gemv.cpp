@@ -74,24 +74,25 @@ static float row_dot_generic(const uint8_t* w, const float* sl, const int8_t* xq
 }
 
 // The activations of one call, quantized once for every weight row: xq (M, K) codes, dx and xsum (M, G); for
-// the VNNI loop also dxv and xsv (M, K/8), dx spread over the lanes and the group sums where its FMA reads them.
+// the VNNI loop at group 64 also dxv (M, K/8), dx spread over the lanes where its FMA reads them, and xsl
+// (M, 2G), 0 xsum0 0 xsum1 ..., laid out as a weight row's (G, 2) scales and minimums.
 struct Activations {
   std::vector<int8_t> xq;
-  std::vector<float> dx, xsum, dxv, xsv;
+  std::vector<float> dx, xsum, dxv, xsl;
 };
 
 static Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t group, bool vnni) {
   const int64_t G = K / group, chunk = group % 64 == 0 ? 64 : 32;
+  const bool vnni64 = vnni && group == 64;
   Activations a{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G),
-                std::vector<float>(vnni ? M * K / 8 : 0), std::vector<float>(vnni ? M * K / 8 : 0)};
+                std::vector<float>(vnni64 ? M * K / 8 : 0), std::vector<float>(vnni64 ? M * 2 * G : 0)};
   for (int64_t m = 0; m < M; ++m) {
 #ifdef INT4_GEMV_VNNI
     if (vnni) {
       quantize_row_vnni(x + m * K, K, group, a.xq.data() + m * K, a.dx.data() + m * G, a.xsum.data() + m * G);
-      for (int64_t k = 0; k < K; k += 64) {
-        const int64_t g = m * G + k / group, half = (k / 64) % 2;  // 64 inputs: the first or second of their 128
-        for (int64_t i = 0; i < 8; ++i) a.dxv[m * K / 8 + k / 8 + i] = a.dx[g];
-        a.xsv[m * K / 8 + (k - 64 * half) / 8 + 2 * half + 1] = group == 64 ? a.xsum[g] : 0.f;
+      for (int64_t g = 0; vnni64 && g < G; ++g) {
+        for (int64_t i = 0; i < 8; ++i) a.dxv[m * K / 8 + g * 8 + i] = a.dx[m * G + g];
+        a.xsl[m * 2 * G + 2 * g + 1] = a.xsum[m * G + g];
       }
       continue;
     }
@@ -102,13 +103,54 @@ static Activations quantize_activations(const float* x, int64_t M, int64_t K, in
   return a;
 }
 
+// The weight rows [begin, end) against every activation row into y (M, N): 4 rows at a time through the VNNI
+// loop at group 64 (each load of the activations serves 4 rows; a block of rows, a few KB, is read from memory
+// once for all M), else one row at a time.
+static void int4_rows(const Activations& a, const uint8_t* w, const float* sl, float* y, int64_t M, int64_t N,
+                      int64_t K, int64_t group, bool vnni, int64_t begin, int64_t end) {
+  const int64_t G = K / group, chunk = group % 64 == 0 ? 64 : 32;
+  int64_t n = begin;
+#ifdef INT4_GEMV_VNNI
+  if (vnni && group == 64) {
+    for (; n + 4 <= end; n += 4)
+      for (int64_t m = 0; m < M; ++m)
+        rows_dot_vnni64<4>(w + n * K / 2, sl + n * 2 * G, a.xq.data() + m * K, a.dxv.data() + m * K / 8,
+                           a.xsl.data() + m * 2 * G, K, y + m * N + n);
+    for (; n < end; ++n)
+      for (int64_t m = 0; m < M; ++m)
+        rows_dot_vnni64<1>(w + n * K / 2, sl + n * 2 * G, a.xq.data() + m * K, a.dxv.data() + m * K / 8,
+                           a.xsl.data() + m * 2 * G, K, y + m * N + n);
+    return;
+  }
+#endif
+  for (; n < end; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* xm = a.xq.data() + m * K;
+      const float *dm = a.dx.data() + m * G, *sm = a.xsum.data() + m * G;
+      const uint8_t* wn = w + n * K / 2;
+      const float* sn = sl + n * 2 * G;
+#ifdef INT4_GEMV_VNNI
+      if (vnni) {  // groups of 128k
+        y[m * N + n] = row_dot_vnni(wn, sn, xm, dm, sm, G, group);
+        continue;
+      }
+#endif
+#ifdef INT4_GEMV_AVX2
+      if (chunk == 64) {  // groups of 64k: the generic loop's codes, 64 inputs per step
+        y[m * N + n] = row_dot_avx2(wn, sn, xm, dm, sm, G, group);
+        continue;
+      }
+#endif
+      y[m * N + n] = row_dot_generic(wn, sn, xm, dm, sm, G, group, chunk);
+    }
+}
+
 // x (M, K) float32, packed (N, K/2) uint8, scale_low (N, G, 2) float32 -> y (M, N) float32
 at::Tensor int4_gemv(at::Tensor x, at::Tensor packed, at::Tensor scale_low, int64_t group) {
   TORCH_CHECK(x.dtype() == at::kFloat && packed.dtype() == at::kByte && scale_low.dtype() == at::kFloat,
               "mt_gemv::int4: float32 x, uint8 packed, float32 scale_low");
   x = x.contiguous(), packed = packed.contiguous(), scale_low = scale_low.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), G = K / group;
-  const int64_t chunk = group % 64 == 0 ? 64 : 32;
 #ifdef INT4_GEMV_VNNI
   const bool vnni = group % 64 == 0 && K % 128 == 0;
 #else
@@ -119,28 +161,10 @@ at::Tensor int4_gemv(at::Tensor x, at::Tensor packed, at::Tensor scale_low, int6
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* sl = scale_low.data_ptr<float>();
   float* out = y.data_ptr<float>();
-  // Weight rows (packed bytes and their scales) in contiguous chunks over the threads (row_split.h); each output
-  // summed by one thread in one order, so any thread count gives the same bits.
+  // Weight rows (packed bytes and their scales) split over the threads (row_split.h); each output summed by one
+  // thread in one order, so any thread count gives the same bits.
   parallel_rows(N, K / 2 + 2 * G * (int64_t)sizeof(float), [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t m = 0; m < M; ++m) {
-        const int8_t* xm = a.xq.data() + m * K;
-        const float *dm = a.dx.data() + m * G, *sm = a.xsum.data() + m * G;
-#ifdef INT4_GEMV_VNNI
-        if (vnni) {
-          out[m * N + n] = row_dot_vnni(w + n * K / 2, sl + n * 2 * G, xm, dm, a.dxv.data() + m * K / 8,
-                                        a.xsv.data() + m * K / 8, sm, K, G, group);
-          continue;
-        }
-#endif
-#ifdef INT4_GEMV_AVX2
-        if (chunk == 64) {  // groups of 64k: the generic loop's codes, 64 inputs per step
-          out[m * N + n] = row_dot_avx2(w + n * K / 2, sl + n * 2 * G, xm, dm, sm, G, group);
-          continue;
-        }
-#endif
-        out[m * N + n] = row_dot_generic(w + n * K / 2, sl + n * 2 * G, xm, dm, sm, G, group, chunk);
-      }
+    int4_rows(a, w, sl, out, M, N, K, group, vnni, begin, end);
   });
   return y;
 }

@@ -61,26 +61,45 @@ static inline __m512i dot128(const uint8_t* w, const int8_t* xq, __m512i dot) {
   return _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512((const void*)(xq + 64)));
 }
 
-// K a multiple of 128 and groups of 128k, or of 64: then the 128 inputs of an iteration are two groups g0, g1,
-// and the int32 lanes 0-7 of `dot` hold g0's partial sums, 8-15 g1's. Their four floats, s0 l0 s1 l1, are
-// one 16-byte load (sl is (G, 2)); lanes 0-7 get s0 * dx[g0], 8-15 s1 * dx[g1] (dxv, once per activation
-// row), and l0 * xsum0 + l1 * xsum1 is one FMA of s0 l0 s1 l1 with xsv = 0 xsum0 0 xsum1 (lanes 4-15 zero).
-static float row_dot_vnni(const uint8_t* w, const float* sl, const int8_t* xq, const float* dx, const float* dxv,
-                          const float* xsv, const float* xsum, int64_t K, int64_t G, int64_t group) {
-  __m512 acc = _mm512_setzero_ps(), acc_low = _mm512_setzero_ps();
-  if (group == 64) {
-    const __m512i pick = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-    for (int64_t k = 0; k < K; k += 128) {
-      prefetch_ahead(w + k / 2, sl + k / 32);
-      const __m512i dot = dot128(w + k / 2, xq + k, _mm512_setzero_si512());
-      // scale, low of the two groups, (4,) repeated: s0 l0 s1 l1 s0 l0 ...
-      const __m512 s_l = _mm512_broadcast_f32x4(_mm_loadu_ps(sl + k / 32));
-      const __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(pick, s_l), _mm512_loadu_ps(dxv + k / 8));
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc);
-      acc_low = _mm512_fmadd_ps(s_l, _mm512_loadu_ps(xsv + k / 8), acc_low);  // l0 * xsum0 + l1 * xsum1
+// Group 64, K a multiple of 128: R weight rows (row strides K/2 bytes and 2G floats) against one activation row,
+// y[r] for each. The 128 inputs of an iteration are two groups g0, g1: the int32 lanes 0-7 of a row's
+// dot hold g0's partial sums, 8-15 g1's. Their scales s0 s1 (sl is (G, 2): s0 l0 s1 l1 in one 16-byte load) go
+// to lanes 0-7 and 8-15 and meet dx[g0], dx[g1] (dxv, once per activation row). Each load of the activations
+// serves the R rows. The minimums' term, sum_g low[g] * xsum[g], is one FMA per 16 floats of a row's (G, 2)
+// array against xsl = 0 xsum0 0 xsum1 ..., after the loop. A row's arithmetic is the same for any R.
+template <int R>
+static void rows_dot_vnni64(const uint8_t* w, const float* sl, const int8_t* xq, const float* dxv, const float* xsl,
+                            int64_t K, float* y) {
+  const int64_t G2 = K / 32;  // floats of a row's (G, 2) scales and minimums
+  const __m512i pick = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 128) {
+    const __m512 d = _mm512_loadu_ps(dxv + k / 8);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* wr = w + r * K / 2 + k / 2;
+      const float* sr = sl + r * G2 + k / 32;
+      prefetch_ahead(wr, sr);
+      const __m512i dot = dot128(wr, xq + k, _mm512_setzero_si512());
+      const __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_loadu_ps(sr))), d);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r]);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc, acc_low));
   }
+  for (int r = 0; r < R; ++r) {
+    __m512 low = _mm512_setzero_ps();
+    for (int64_t j = 0; j < G2; j += 16) {
+      const __mmask16 lanes = G2 - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G2 - j)) - 1u);
+      low = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, sl + r * G2 + j), _mm512_maskz_loadu_ps(lanes, xsl + j), low);
+    }
+    y[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], low));
+  }
+}
+
+// Groups of 128k, K a multiple of 128: one weight row, per group the integer dot over its 128-input steps, then
+// one multiply-add by the weight's scale times the activations' dx, plus low x xsum.
+static float row_dot_vnni(const uint8_t* w, const float* sl, const int8_t* xq, const float* dx, const float* xsum,
+                          int64_t G, int64_t group) {
+  __m512 acc = _mm512_setzero_ps();
   float y = 0.f;
   for (int64_t g = 0; g < G; ++g) {
     __m512i dot = _mm512_setzero_si512();
