@@ -29,6 +29,9 @@ KERNEL_SOURCES = ("float_gemv.cpp", "int4_gemv.cpp", "paged_decode.cpp", "one_qu
 VARIANTS = {
     "portable": ("-DMINI_TRANSFORMER_PORTABLE", ["-mno-avx2"], ()),  # AVX-512 depends on AVX2: both go
     "avx2": ("-DMINI_TRANSFORMER_AVX2", ["-mno-avx512f"], ("avx2", "fma", "f16c")),  # every AVX-512 extension goes
+    # AVX-512 as Skylake-SP has it: bf16 widened on load, int4 on the AVX2 loop
+    "avx512": ("-DMINI_TRANSFORMER_AVX512", ["-mno-avx512bf16", "-mno-avx512vnni", "-mno-avx512fp16"],
+               ("avx512f", "avx512bw", "avx512vl")),
 }
 
 _built: dict[str, bool] = {}

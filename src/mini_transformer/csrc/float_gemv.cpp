@@ -172,9 +172,7 @@ static void gemv_typed(const Out<T>* x, const T* w, const float* scale, const Ou
   if constexpr (std::is_same_v<T, float>) return gemv_rows<Simd<F32>>(x, w, scale, bias, y, M, N, K);
   if constexpr (std::is_same_v<T, c10::Half>) return gemv_rows<Simd<F16>>(x, w, scale, bias, y, M, N, K);
   if constexpr (std::is_same_v<T, int8_t>) return gemv_rows<Simd<I8>>(x, w, scale, bias, y, M, N, K);
-#ifdef FLOAT_GEMV_SIMD_BF16
   if constexpr (std::is_same_v<T, c10::BFloat16>) return gemv_rows<Simd<BF16>>(x, w, scale, bias, y, M, N, K);
-#endif
 #endif
   gemv_rows<Generic<T>>(x, w, scale, bias, y, M, N, K);
 }
@@ -225,10 +223,7 @@ at::Tensor int8_gemv(at::Tensor x, at::Tensor weight, at::Tensor scales, c10::op
 // whether weights of `dtype` (int8 for gemv_int8) run the SIMD path (else the generic one)
 bool float_gemv_vectorized(c10::ScalarType dtype) {
 #ifdef FLOAT_GEMV_SIMD
-  if (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kChar) return true;
-#endif
-#ifdef FLOAT_GEMV_SIMD_BF16
-  if (dtype == at::kBFloat16) return true;
+  if (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kChar) return true;
 #endif
   return false;
 }

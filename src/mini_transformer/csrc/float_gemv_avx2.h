@@ -10,8 +10,6 @@
 #include <cstdint>
 #include <cstring>
 
-#define FLOAT_GEMV_SIMD_BF16 1
-
 namespace {
 
 // 8 fp32 sums in a register; 16 registers: 3 accumulators for each of up to 4 activation rows, which leaves

@@ -1,6 +1,6 @@
 // The AVX-512 element types of float_gemv.cpp's SIMD loop: per type how many values a register holds, a masked
 // load and acc += x * w; the fp32 accumulator (16 lanes) is shared. Included only where the compiler has
-// AVX-512 F, BW and VL; bf16 also needs AVX512_BF16 (vdpbf16ps), else bf16 runs the generic loop.
+// AVX-512 F, BW and VL; bf16 takes vdpbf16ps where there is AVX512_BF16, else it is widened on load as fp16 is.
 #pragma once
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -8,10 +8,6 @@
 
 #include <algorithm>
 #include <cstdint>
-
-#if defined(__AVX512BF16__)
-#define FLOAT_GEMV_SIMD_BF16 1
-#endif
 
 namespace {
 
@@ -61,7 +57,7 @@ struct I8 : Zmm {  // int8 weights, 16 per load, widened to fp32 (vpmovsxbd, vcv
   static __m512 madd(__m512 acc, V x, V w) { return _mm512_fmadd_ps(x, w, acc); }
 };
 
-#ifdef FLOAT_GEMV_SIMD_BF16
+#if defined(__AVX512BF16__)
 struct BF16 : Zmm {  // pairs of products added into 16 fp32 lanes by vdpbf16ps, so x stays bf16
   using T = c10::BFloat16;
   using X = T;
@@ -72,6 +68,18 @@ struct BF16 : Zmm {  // pairs of products added into 16 fp32 lanes by vdpbf16ps,
   }
   static V loadx(const X* p, int n) { return load(p, n); }
   static __m512 madd(__m512 acc, V x, V w) { return _mm512_dpbf16_ps(acc, x, w); }
+};
+#else
+struct BF16 : Zmm {  // without AVX512_BF16 (Skylake to Ice Lake): widened to fp32 on load, a bf16 being the top half
+  using T = c10::BFloat16;  // of an fp32: zero-extend to 32 bits, shift left by 16; exact
+  using V = __m512;
+  static constexpr int L = 16;
+  static V load(const T* p, int n) {
+    const __m256i h = n == L ? _mm256_loadu_si256((const __m256i*)p)
+                             : _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static __m512 madd(__m512 acc, V x, V w) { return _mm512_fmadd_ps(x, w, acc); }
 };
 #endif
 

@@ -1,7 +1,7 @@
 // How the kernels name their operator libraries. The ordinary build registers mt_float, mt_gemv, mt_paged,
 // mt_one_query and mt_fused; the narrower builds of _native.build_variant (tests, benchmarks/bench_kernels.py) add
-// "_portable" (AVX2 and AVX-512 off, MINI_TRANSFORMER_PORTABLE) or "_avx2" (AVX-512 off, MINI_TRANSFORMER_AVX2)
-// to each name, so every build loads in one process.
+// "_portable" (AVX2 and AVX-512 off, MINI_TRANSFORMER_PORTABLE), "_avx2" (AVX-512 off, MINI_TRANSFORMER_AVX2) or
+// "_avx512" (AVX-512 without BF16 and VNNI, MINI_TRANSFORMER_AVX512) to each name, so every build loads in one process.
 #pragma once
 #include <torch/library.h>
 
@@ -9,6 +9,8 @@
 #define LIBRARY_NAME(name) name##_portable
 #elif defined(MINI_TRANSFORMER_AVX2)
 #define LIBRARY_NAME(name) name##_avx2
+#elif defined(MINI_TRANSFORMER_AVX512)
+#define LIBRARY_NAME(name) name##_avx512
 #else
 #define LIBRARY_NAME(name) name
 #endif

@@ -15,7 +15,8 @@ The kernel (csrc/float_gemv.cpp, built on first use by `_native.build`) does, fo
     each 64-byte piece of W is loaded once into a register and used for every activation row (<= 4 at a
     time; rows 5-8 read the weight row again, from L1);
   * bf16: `vdpbf16ps` (AVX512_BF16) - 32 bf16 pairs, each product exact in fp32, added pairwise into 16 fp32
-    lanes. fp16: 16 halves widened with `vcvtph2ps`, then fused multiply-add. fp32: fused multiply-add;
+    lanes; an AVX-512 CPU without it (Skylake to Ice Lake) widens bf16 on load, as AVX2 does. fp16: 16 halves
+    widened with `vcvtph2ps`, then fused multiply-add. fp32: fused multiply-add;
   * with AVX2 instead of AVX-512 (csrc/float_gemv_avx2.h): 8 lanes, 16-bit weights widened as they load
     (fp16 by F16C, bf16 by a 16-bit shift: it is the top half of an fp32), the activations widened to fp32
     once per call;
@@ -64,8 +65,8 @@ def float_gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 @cache
 def kernel_available(dtype: torch.dtype) -> bool:
     """Build and load the C++ kernel (first call in a process). True only where weights of `dtype` (one of
-    DTYPES, or torch.int8 for gemv_int8) run a SIMD path (AVX-512, where bf16 needs AVX512_BF16, or AVX2 with
-    FMA and F16C): the portable one does not beat PyTorch's matmul or inductor's fused reduction."""
+    DTYPES, or torch.int8 for gemv_int8) run a SIMD path (AVX-512, or AVX2 with FMA and F16C): the portable
+    one does not beat PyTorch's matmul or inductor's fused reduction."""
     if dtype not in (*DTYPES, torch.int8) or not build(
             "mt_float", "float_gemv.cpp", "float GEMV",
             fakes={"mt_float::gemv": _gemv_shape, "mt_float::gemv_int8": _int8_gemv_shape}):
