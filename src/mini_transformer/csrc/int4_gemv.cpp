@@ -28,12 +28,14 @@ static inline void prefetch_ahead(const uint8_t* w, const float* sl) {
 
 }  // namespace
 
+// The AVX2 loop also serves a VNNI build where the VNNI one cannot (K not a multiple of 128).
+#if defined(__AVX2__) && defined(__FMA__)
+#include "int4_gemv_avx2.h"
+#define INT4_GEMV_AVX2 1
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "int4_gemv_avx512.h"
 #define INT4_GEMV_VNNI 1
-#elif defined(__AVX2__) && defined(__FMA__)
-#include "int4_gemv_avx2.h"
-#define INT4_GEMV_AVX2 1
 #endif
 
 namespace {

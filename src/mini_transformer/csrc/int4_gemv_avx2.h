@@ -1,8 +1,8 @@
 // The AVX2 path of int4_gemv.cpp, for groups of 64k: per 64 inputs, 32 packed bytes are loaded once, split into
 // low and high nibbles, and each half meets its 32 int8 activations (the generic loop's order: evens, then
 // odds) in one vpmaddubsw (u8 x s8 products added in pairs to int16), then vpmaddwd against ones (pairs of
-// int16 to 8 int32 lanes). Included only where the compiler has AVX2 and FMA, and not AVX512-VNNI, by
-// int4_gemv.cpp (which defines prefetch_ahead before it).
+// int16 to 8 int32 lanes). Included where the compiler has AVX2 and FMA, by int4_gemv.cpp (which defines
+// prefetch_ahead before it); with AVX512-VNNI too it takes only the shapes the VNNI loop does not.
 #pragma once
 #include <immintrin.h>
 
