@@ -122,8 +122,9 @@ def test_int4_gemv_kernel_and_reference_agree_with_float64(threads, group_size, 
 @given(group_size=st.sampled_from([32, 64, 128, 256]), groups=st.integers(1, 9), out_features=st.integers(1, 70),
        rows=st.integers(1, 5), seed=st.integers(0, 2**16))
 def test_int4_gemv_kernel_over_shapes(threads, group_size, groups, out_features, rows, seed):
-    """Every path of the C++ kernel (the VNNI loop for K a multiple of 128 and groups of 64 or 128k, the
-    plain loop otherwise: K = 64 x odd, group 32) against the float64 definition, for any rows and width."""
+    """Every path of the C++ kernel (the VNNI loop for K a multiple of 128 and groups of 64 or 128k, the AVX2
+    loop for other groups of 64k, the plain loop for group 32) against the float64 definition, for any rows
+    and width."""
     if not kernel_available():
         pytest.skip("the int4 C++ kernel cannot be built here")
     torch.manual_seed(seed)
@@ -134,29 +135,44 @@ def test_int4_gemv_kernel_over_shapes(threads, group_size, groups, out_features,
     torch.testing.assert_close(got.double(), reference_in_float64(x, layer), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("group_size, K", [(64, 192), (192, 768), (320, 1280), (128, 640)])
+def test_int4_gemv_kernel_groups_that_do_not_fit_the_vnni_step(threads, group_size, K):
+    """The VNNI loop steps 128 inputs: K = 192 at group 64 (an odd number of groups) and groups of 64 x odd
+    (192, 320) go to the AVX2 loop, which reads no input past its row; group 128 at K = 640 stays on VNNI."""
+    if not kernel_available():
+        pytest.skip("the int4 C++ kernel cannot be built here")
+    torch.manual_seed(K)
+    layer = Int4Linear.from_linear(nn.Linear(K, 9, bias=False), group_size)
+    x = torch.randn(3, K) * torch.rand(K) * 4
+    got = torch.ops.mt_gemv.int4(x, layer.weight, layer.gemv_scale_low, group_size)
+    torch.testing.assert_close(got.double(), reference_in_float64(x, layer), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("group_size", [32, 64])  # the plain loop (K = 64 x odd) and the VNNI one
 def test_int4_gemv_kernel_same_bits_on_1_and_2_threads(group_size):
-    """1001 weight rows: at 2 threads csrc/row_split.h gives each thread half of them, the second half starting
-    inside a block of the 4-row loop; each row is summed in the order 1 thread would, so the bits are the same."""
+    """1003 weight rows: at 2 threads csrc/row_split.h gives each thread half of them, the second half starting
+    at row 501, inside a block of the 4-row loop; each row is summed in the order 1 thread would, so the bits are
+    the same."""
     if not kernel_available():
         pytest.skip("the int4 C++ kernel cannot be built here")
     torch.manual_seed(group_size)
     K = 64 * 15 if group_size == 32 else 1024
-    layer = Int4Linear.from_linear(nn.Linear(K, 1001, bias=False), group_size)
+    layer = Int4Linear.from_linear(nn.Linear(K, 1003, bias=False), group_size)
     x = torch.randn(3, K)
     args = (x, layer.weight, layer.gemv_scale_low, group_size)
     assert torch.equal(on_threads(1, torch.ops.mt_gemv.int4, *args), on_threads(2, torch.ops.mt_gemv.int4, *args))
 
 
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_int4_gemv_kernel_row_same_bits_alone_or_among_rows(group_size):
+def test_int4_gemv_kernel_row_same_bits_alone_or_among_rows():
     """The VNNI loop takes weight rows 4 at a time and the last ones singly: each row's output is the same as
-    that row's alone (a 1-row weight), whichever block it fell in."""
+    that row's alone (a 1-row weight), whichever block it fell in. K = 640: a row's 40 scales and minimums are
+    one full register of the minimums' FMA and a masked one."""
     if not kernel_available():
         pytest.skip("the int4 C++ kernel cannot be built here")
-    torch.manual_seed(group_size)
-    layer = Int4Linear.from_linear(nn.Linear(512, 11, bias=False), group_size)
-    x = torch.randn(2, 512)
+    torch.manual_seed(0)
+    group_size = 64
+    layer = Int4Linear.from_linear(nn.Linear(640, 11, bias=False), group_size)
+    x = torch.randn(2, 640)
     together = torch.ops.mt_gemv.int4(x, layer.weight, layer.gemv_scale_low, group_size)
     for n in range(11):
         alone = torch.ops.mt_gemv.int4(x, layer.weight[n:n + 1], layer.gemv_scale_low[n:n + 1], group_size)

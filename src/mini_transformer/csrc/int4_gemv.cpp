@@ -154,7 +154,8 @@ at::Tensor int4_gemv(at::Tensor x, at::Tensor packed, at::Tensor scale_low, int6
   x = x.contiguous(), packed = packed.contiguous(), scale_low = scale_low.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), G = K / group;
 #ifdef INT4_GEMV_VNNI
-  const bool vnni = group % 64 == 0 && K % 128 == 0;
+  // the VNNI loop's step is 128 inputs: one group of 128k, or two of 64 (a group of 192 would straddle steps)
+  const bool vnni = (group == 64 || group % 128 == 0) && K % 128 == 0;
 #else
   const bool vnni = false;
 #endif
