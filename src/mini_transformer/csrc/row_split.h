@@ -19,7 +19,7 @@ constexpr int64_t kMinBytesPerThread = 128 << 10;
 // f(begin, end) over the rows [0, N) of row_bytes each, every row exactly once, on up to torch's threads.
 template <class F>
 static void parallel_rows(int64_t N, int64_t row_bytes, const F& f) {
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), N * row_bytes / kMinBytesPerThread);
+  const int64_t threads = std::min<int64_t>({at::get_num_threads(), N * row_bytes / kMinBytesPerThread, N});
   if (threads < 2) return f(0, N);
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) f(N * t / threads, N * (t + 1) / threads);
