@@ -74,8 +74,8 @@ def test_kernel_within_rounding_of_float64(threads, M, N, K, bias, seed, dtype):
 @needs_kernel
 @pytest.mark.parametrize("dtype", BUILT)
 def test_kernel_same_bits_on_any_thread_count_and_layout(dtype):
-    """Rows of W are split over threads in chunks (1001 rows: several, and a short last one), each row summed
-    by one thread: 1 and 2 threads give the same bits;
+    """Rows of W are split over threads, one slice each (1001 rows: an odd count, so the halves differ), each
+    row summed by one thread: 1 and 2 threads give the same bits;
     a transposed (non-contiguous) x gives what its contiguous copy gives."""
     x, w, b = inputs(6, 1001, 300, True, 0, dtype)
     threads = torch.get_num_threads()

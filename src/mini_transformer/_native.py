@@ -4,7 +4,8 @@ Each kernel module keeps a PyTorch reference beside its kernel; `build` answers 
 built (no compiler, not a POSIX system, MINI_TRANSFORMER_NATIVE_KERNELS=0), and the caller runs the reference.
 The compiler's own macros pick each kernel's path (csrc/README.md): AVX-512 where the machine has it, else AVX2,
 else the portable C++ beside them. `build_variant` builds every kernel for a narrower instruction set than the
-machine's into one extension (the portable path; AVX2 alone on an AVX-512 machine), for the tests and
+machine's into one extension (the portable path; AVX2 alone, or AVX-512 without BF16 and VNNI, on an AVX-512
+machine), for the tests and
 benchmarks/bench_kernels.py, so each path is checked on any machine that can run it.
 """
 

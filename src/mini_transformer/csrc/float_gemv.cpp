@@ -83,8 +83,9 @@ constexpr int kPrefetchBytes = 2048;  // how far ahead of the loads the weight s
 // The SIMD path, for E one of the element types above. Weight rows [n0, n1) (w, stride K) against MR activation
 // rows (x, stride K) -> y (MR, N), each sum (times the row's scale, for int8) + bias rounded once. A accumulators
 // per activation row, so an add never waits for the one before it (A does not depend on MR: a row sums in one
-// order in any batch); each register of w is loaded once and used MR times. x is of type E::X: fp32 where E widens the weights on load (a 16-bit x widened once per call, not once
-// per weight row), else E::T (AVX-512 bf16, whose dot instruction takes bf16 pairs).
+// order in any batch); each register of w is loaded once and used MR times. x is of type E::X: fp32 where E
+// widens the weights on load (a 16-bit x widened once per call, not once per weight row), else E::T (bf16 with
+// AVX512_BF16, whose dot instruction takes bf16 pairs).
 template <class E, int MR>
 static void rows_simd(const typename E::X* x, const typename E::T* w, const float* scale,
                       const Out<typename E::T>* bias, Out<typename E::T>* y, int64_t N, int64_t K, int64_t n0,
@@ -148,7 +149,7 @@ __attribute__((noinline)) static void gemv_range(const typename D::X* x, const t
               std::min(n0 + kBlock, end));
 }
 
-// Rows of W in contiguous chunks over the threads (row_split.h); each row summed by one thread in one order.
+// Rows of W in one contiguous slice per thread (row_split.h); each row summed by one thread in one order.
 template <class D, typename Y = Out<typename D::T>>
 static void gemv_rows(const Y* x_in, const typename D::T* w, const float* scale, const Y* bias, Y* y, int64_t M,
                       int64_t N, int64_t K) {
