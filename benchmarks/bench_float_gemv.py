@@ -12,7 +12,8 @@ through it, on the 124.7M Llama of vs_llama_cpp.py (its layout, random weights).
           flips one: see tests/test_float_gemv.py)
   threads every GEMV kernel (fp32, bf16, fp16 and the int4 one, group 64) over the same weight matrices at
           each of --thread-counts, beside the read roof measured at that count in the same run: how much a
-          second core adds to a GEMV is what it adds to the memory bandwidth (docs/08b §4)
+          second core adds to a GEMV is what it adds to the memory bandwidth (docs/08b §4); the int4 kernel
+          also on the largest matrix alone (the output head), where a call's fixed costs hardly count
   pages   the fp32 kernel and the read roof in 4 KB and in 2 MB pages at each --thread-counts: what the
           address translations cost a stream of weights (model/huge_pages.py; docs/08b §4)
   ppl     a small char model trained here, held-out perplexity scored token by token through the compiled
@@ -110,9 +111,13 @@ def thread_scaling_calls(model: TransformerLM) -> dict[str, tuple]:
         # the tensors looked up once, as a compiled step holds them: a module's buffers are found by __getattr__
         args = [(xs[q.in_features], q.weight, q.gemv_scale_low) for q in layers]
 
-        def int4():
+        def int4(args=args):
             return [torch.ops.mt_gemv.int4(x, packed, scale_low, 64) for x, packed, scale_low in args]
         calls["kernel int4 (group 64)"] = (int4, sum(q.weight.nbytes + q.gemv_scale_low.nbytes for q in layers))
+        # the largest matrix alone: what the loop streams once a call's fixed costs are small beside its reading
+        i = max(range(len(layers)), key=lambda j: layers[j].weight.nbytes)
+        calls["kernel int4, largest matrix alone"] = (lambda: int4(args[i:i + 1]),
+                                                      layers[i].weight.nbytes + layers[i].gemv_scale_low.nbytes)
     return calls
 
 
