@@ -33,15 +33,16 @@ struct F32 : Zmm {
   static __m512 madd(__m512 acc, V x, V w) { return _mm512_fmadd_ps(x, w, acc); }
 };
 
+// n <= 16 16-bit values, the rest of the 16 zero: what fp16 and (without AVX512_BF16) bf16 widen
+static inline __m256i load_16(const void* p, int n) {
+  return n == 16 ? _mm256_loadu_si256((const __m256i*)p) : _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), p);
+}
+
 struct F16 : Zmm {  // widened to fp32 on load (vcvtph2ps), exact
   using T = c10::Half;
   using V = __m512;
   static constexpr int L = 16;
-  static V load(const T* p, int n) {
-    const __m256i h = n == L ? _mm256_loadu_si256((const __m256i*)p)
-                             : _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), p);
-    return _mm512_cvtph_ps(h);
-  }
+  static V load(const T* p, int n) { return _mm512_cvtph_ps(load_16(p, n)); }
   static __m512 madd(__m512 acc, V x, V w) { return _mm512_fmadd_ps(x, w, acc); }
 };
 
@@ -75,9 +76,7 @@ struct BF16 : Zmm {  // without AVX512_BF16 (Skylake to Ice Lake): widened to fp
   using V = __m512;
   static constexpr int L = 16;
   static V load(const T* p, int n) {
-    const __m256i h = n == L ? _mm256_loadu_si256((const __m256i*)p)
-                             : _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load_16(p, n)), 16));
   }
   static __m512 madd(__m512 acc, V x, V w) { return _mm512_fmadd_ps(x, w, acc); }
 };

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -114,14 +115,13 @@ static void int4_rows(const Activations& a, const uint8_t* w, const float* sl, f
   int64_t n = begin;
 #ifdef INT4_GEMV_VNNI
   if (vnni && group == 64) {
-    for (; n + 4 <= end; n += 4)
+    const auto block = [&](auto R) {  // rows [n, n + R) against every activation row
       for (int64_t m = 0; m < M; ++m)
-        rows_dot_vnni64<4>(w + n * K / 2, sl + n * 2 * G, a.xq.data() + m * K, a.dxv.data() + m * K / 8,
+        rows_dot_vnni64<R>(w + n * K / 2, sl + n * 2 * G, a.xq.data() + m * K, a.dxv.data() + m * K / 8,
                            a.xsl.data() + m * 2 * G, K, y + m * N + n);
-    for (; n < end; ++n)
-      for (int64_t m = 0; m < M; ++m)
-        rows_dot_vnni64<1>(w + n * K / 2, sl + n * 2 * G, a.xq.data() + m * K, a.dxv.data() + m * K / 8,
-                           a.xsl.data() + m * 2 * G, K, y + m * N + n);
+    };
+    for (; n + 4 <= end; n += 4) block(std::integral_constant<int, 4>{});
+    for (; n < end; ++n) block(std::integral_constant<int, 1>{});
     return;
   }
 #endif
