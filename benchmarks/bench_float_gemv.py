@@ -13,7 +13,8 @@ through it, on the 124.7M Llama of vs_llama_cpp.py (its layout, random weights).
   threads every GEMV kernel (fp32, bf16, fp16 and the int4 one, group 64) over the same weight matrices at
           each of --thread-counts, beside the read roof measured at that count in the same run: how much a
           second core adds to a GEMV is what it adds to the memory bandwidth (docs/08b §4); the int4 kernel
-          also on the largest matrix alone (the output head), where a call's fixed costs hardly count
+          also on the largest matrix alone (the output head), where a call's fixed costs hardly count, and its
+          AVX2 loop (the mt_gemv_avx2 build, what a CPU without AVX-512 runs) where the machine can build it
   pages   the fp32 kernel and the read roof in 4 KB and in 2 MB pages at each --thread-counts: what the
           address translations cost a stream of weights (model/huge_pages.py; docs/08b §4)
   ppl     a small char model trained here, held-out perplexity scored token by token through the compiled
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 from _common import LLAMA_124M, add_common_args, apply_common_args, load_average, table, time_interleaved
 from _decode_roofline import measure_bandwidth
 
-from mini_transformer import TransformerConfig, TransformerLM, generate
+from mini_transformer import TransformerConfig, TransformerLM, _native, generate
 from mini_transformer.model import huge_pages
 from mini_transformer.model.float_gemv import DTYPES, float_gemv, kernel_available
 from mini_transformer.model.int4_gemv import kernel_available as int4_kernel_available
@@ -118,6 +119,10 @@ def thread_scaling_calls(model: TransformerLM) -> dict[str, tuple]:
         i = max(range(len(layers)), key=lambda j: layers[j].weight.nbytes)
         calls["kernel int4, largest matrix alone"] = (lambda: int4(args[i:i + 1]),
                                                       layers[i].weight.nbytes + layers[i].gemv_scale_low.nbytes)
+        if _native.build_variant("avx2"):
+            avx2 = torch.ops.mt_gemv_avx2.int4
+            calls["kernel int4, AVX2 loop"] = (lambda: [avx2(x, p, s, 64) for x, p, s in args],
+                                               calls["kernel int4 (group 64)"][1])
     return calls
 
 

@@ -119,6 +119,19 @@ def test_variant_int4_gemv_equals_float64(variant, threads, group_size, K, rows)
     torch.testing.assert_close(got.double(), reference_in_float64(x, layer), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("group_size, K", [(64, 640), (128, 384)])
+def test_variant_int4_gemv_row_same_bits_alone_or_among_rows(variant, group_size, K):
+    """The SIMD loops take weight rows 4 at a time and the last ones singly: each row's output is the same as
+    that row's alone (a 1-row weight), whichever block it fell in; group 128 steps twice per group."""
+    torch.manual_seed(K)
+    layer = Int4Linear.from_linear(nn.Linear(K, 11, bias=False), group_size)
+    x = torch.randn(2, K)
+    together = variant.mt_gemv.int4(x, layer.weight, layer.gemv_scale_low, group_size)
+    for n in range(11):
+        alone = variant.mt_gemv.int4(x, layer.weight[n:n + 1], layer.gemv_scale_low[n:n + 1], group_size)
+        assert torch.equal(alone, together[:, n:n + 1])
+
+
 @pytest.mark.parametrize("context_lens, block_size, H, Hkv, D", [([1], 1, 4, 4, 8), ([7, 20, 3, 12], 4, 4, 2, 64),
                                                                  ([16, 32, 17, 1, 48], 16, 6, 2, 19),
                                                                  ([300, 45, 1], 16, 2, 1, 130)])

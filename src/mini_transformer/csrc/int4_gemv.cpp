@@ -106,26 +106,34 @@ static Activations quantize_activations(const float* x, int64_t M, int64_t K, in
   return a;
 }
 
-// The weight rows [begin, end) against every activation row into y (M, N): 4 rows at a time through the VNNI
-// loop at group 64 (each load of the activations serves 4 rows; a block of rows, a few KB, is read from memory
-// once for all M), else one row at a time.
+// The weight rows [begin, end) against every activation row into y (M, N): 4 rows at a time through the SIMD
+// loops at groups of 64 (VNNI) or 64k (AVX2): each load of the activations serves 4 rows, and a block of rows, a
+// few KB, is read from memory once for all M. The rest one row at a time.
 static void int4_rows(const Activations& a, const uint8_t* w, const float* sl, float* y, int64_t M, int64_t N,
                       int64_t K, int64_t group, bool vnni, int64_t begin, int64_t end) {
   const int64_t G = K / group, chunk = group % 64 == 0 ? 64 : 32;
-  int64_t n = begin;
+  [[maybe_unused]] const auto in_blocks = [&](const auto& rows) {  // rows(n, R): rows [n, n + R), R = 4 then 1
+    int64_t n = begin;
+    for (; n + 4 <= end; n += 4) rows(n, std::integral_constant<int, 4>{});
+    for (; n < end; ++n) rows(n, std::integral_constant<int, 1>{});
+  };
 #ifdef INT4_GEMV_VNNI
-  if (vnni && group == 64) {
-    const auto block = [&](auto R) {  // rows [n, n + R) against every activation row
+  if (vnni && group == 64)
+    return in_blocks([&](int64_t n, auto R) {
       for (int64_t m = 0; m < M; ++m)
         rows_dot_vnni64<R>(w + n * K / 2, sl + n * 2 * G, a.xq.data() + m * K, a.dxv.data() + m * K / 8,
                            a.xsl.data() + m * 2 * G, K, y + m * N + n);
-    };
-    for (; n + 4 <= end; n += 4) block(std::integral_constant<int, 4>{});
-    for (; n < end; ++n) block(std::integral_constant<int, 1>{});
-    return;
-  }
+    });
 #endif
-  for (; n < end; ++n)
+#ifdef INT4_GEMV_AVX2
+  if (!vnni && chunk == 64)  // groups of 64k: the generic loop's codes, 64 inputs per step
+    return in_blocks([&](int64_t n, auto R) {
+      for (int64_t m = 0; m < M; ++m)
+        rows_dot_avx2<R>(w + n * K / 2, sl + n * 2 * G, a.xq.data() + m * K, a.dx.data() + m * G,
+                         a.xsum.data() + m * G, G, group, y + m * N + n);
+    });
+#endif
+  for (int64_t n = begin; n < end; ++n)
     for (int64_t m = 0; m < M; ++m) {
       const int8_t* xm = a.xq.data() + m * K;
       const float *dm = a.dx.data() + m * G, *sm = a.xsum.data() + m * G;
@@ -134,12 +142,6 @@ static void int4_rows(const Activations& a, const uint8_t* w, const float* sl, f
 #ifdef INT4_GEMV_VNNI
       if (vnni) {  // groups of 128k
         y[m * N + n] = row_dot_vnni(wn, sn, xm, dm, sm, G, group);
-        continue;
-      }
-#endif
-#ifdef INT4_GEMV_AVX2
-      if (chunk == 64) {  // groups of 64k: the generic loop's codes, 64 inputs per step
-        y[m * N + n] = row_dot_avx2(wn, sn, xm, dm, sm, G, group);
         continue;
       }
 #endif
