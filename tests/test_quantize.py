@@ -148,7 +148,7 @@ def test_int4_gemv_kernel_groups_that_do_not_fit_the_vnni_step(threads, group_si
     torch.testing.assert_close(got.double(), reference_in_float64(x, layer), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("group_size", [32, 64])  # the plain loop (K = 64 x odd) and the VNNI one
+@pytest.mark.parametrize("group_size", [32, 64])  # the plain loop (K = 64 x odd) and the SIMD one
 def test_int4_gemv_kernel_same_bits_on_1_and_2_threads(group_size):
     """1003 weight rows: at 2 threads csrc/row_split.h gives each thread half of them, the second half starting
     at row 501, inside a block of the 4-row loop; each row is summed in the order 1 thread would, so the bits are
@@ -164,9 +164,9 @@ def test_int4_gemv_kernel_same_bits_on_1_and_2_threads(group_size):
 
 
 def test_int4_gemv_kernel_row_same_bits_alone_or_among_rows():
-    """The VNNI loop takes weight rows 4 at a time and the last ones singly: each row's output is the same as
-    that row's alone (a 1-row weight), whichever block it fell in. K = 640: a row's 40 scales and minimums are
-    one full register of the minimums' FMA and a masked one."""
+    """The SIMD loop (VNNI, or AVX2 without it) takes weight rows 4 at a time and the last ones singly: each row's
+    output is the same as that row's alone (a 1-row weight), whichever block it fell in. K = 640: a row's 40 scales
+    and minimums are one full register of the minimums' FMA and a masked one."""
     if not kernel_available():
         pytest.skip("the int4 C++ kernel cannot be built here")
     torch.manual_seed(0)

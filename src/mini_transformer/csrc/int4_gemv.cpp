@@ -29,7 +29,7 @@ static inline void prefetch_ahead(const uint8_t* w, const float* sl) {
 
 }  // namespace
 
-// The AVX2 loop also serves a VNNI build where the VNNI one cannot (K not a multiple of 128).
+// The AVX2 loop also serves a VNNI build where the VNNI one cannot (K not a multiple of 128, groups of 64 x odd).
 #if defined(__AVX2__) && defined(__FMA__)
 #include "int4_gemv_avx2.h"
 #define INT4_GEMV_AVX2 1
@@ -153,8 +153,12 @@ static void int4_rows(const Activations& a, const uint8_t* w, const float* sl, f
 at::Tensor int4_gemv(at::Tensor x, at::Tensor packed, at::Tensor scale_low, int64_t group) {
   TORCH_CHECK(x.dtype() == at::kFloat && packed.dtype() == at::kByte && scale_low.dtype() == at::kFloat,
               "mt_gemv::int4: float32 x, uint8 packed, float32 scale_low");
+  TORCH_CHECK(x.dim() == 2 && group > 0 && x.size(1) % group == 0 && (group == 32 || group % 64 == 0),
+              "mt_gemv::int4: x (M, K), K a multiple of the group size, groups of 32 or 64k");
   x = x.contiguous(), packed = packed.contiguous(), scale_low = scale_low.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), G = K / group;
+  TORCH_CHECK(packed.dim() == 2 && packed.size(1) == K / 2 && scale_low.numel() == N * G * 2,
+              "mt_gemv::int4: packed (N, K/2), scale_low (N, K/group, 2)");
 #ifdef INT4_GEMV_VNNI
   // the VNNI loop's step is 128 inputs: one group of 128k, or two of 64 (a group of 192 would straddle steps)
   const bool vnni = (group == 64 || group % 128 == 0) && K % 128 == 0;

@@ -16,10 +16,10 @@ Two implementations of exactly this arithmetic (tests check them against each ot
   * `int4_gemv_reference`: plain PyTorch, readable; used where the C++ kernel cannot be built;
   * the C++ kernel (csrc/int4_gemv.cpp, built on first use by `_native.build`): per 128 inputs, 64 packed
     bytes are loaded once, split into low and high nibbles, and each half meets its 64 int8 activations in
-    ONE `vpdpbusd` (AVX512-VNNI, csrc/int4_gemv_avx512.h, for K a multiple of 128 and groups of 64 or 128k;
-    4 weight rows per pass at group 64, sharing each load of the activations); with AVX2 instead, or for the
-    other groups of 64k (csrc/int4_gemv_avx2.h), per 64 inputs 32 bytes and two `vpmaddubsw` (u8 x s8 pairs
-    to int16) then `vpmaddwd` (to int32); elsewhere the same sums in portable C++. The packed
+    ONE `vpdpbusd` (AVX512-VNNI, csrc/int4_gemv_avx512.h, for K a multiple of 128 and groups of 64 or 128k);
+    with AVX2 instead, or for the other groups of 64k (csrc/int4_gemv_avx2.h), per 64 inputs 32 bytes and two
+    `vpmaddubsw` (u8 x s8 pairs to int16) then `vpmaddwd` (to int32); both take 4 weight rows per pass (VNNI at
+    group 64), sharing each load of the activations; elsewhere the same sums in portable C++. The packed
     layout is the one Int4Linear saves: byte j of a row holds inputs 2j (low nibble) and 2j+1 (high), so the
     activations are reordered instead (evens, then odds).
 It is registered as the operator `mt_gemv::int4`, so a compiled decode step calls it like any aten op.
