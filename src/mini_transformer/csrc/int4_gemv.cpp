@@ -41,6 +41,25 @@ static inline void prefetch_ahead(const uint8_t* w, const float* sl) {
 
 namespace {
 
+// The loop that runs a call, picked once from the build and the shapes: the VNNI one steps 128 inputs, two groups
+// of 64 (4 rows at a time) or within a group of 128k (a group of 192 would straddle steps); the AVX2 one steps 64
+// inputs (groups of 64k, 4 rows at a time); the generic one takes any group.
+enum class Loop { kVnni64, kVnni, kAvx2, kGeneric };
+
+static Loop pick_loop([[maybe_unused]] int64_t K, [[maybe_unused]] int64_t group) {
+#ifdef INT4_GEMV_VNNI
+  if (K % 128 == 0 && group == 64) return Loop::kVnni64;
+  if (K % 128 == 0 && group % 128 == 0) return Loop::kVnni;
+#endif
+#ifdef INT4_GEMV_AVX2
+  if (group % 64 == 0) return Loop::kAvx2;
+#endif
+  return Loop::kGeneric;
+}
+
+// How many inputs the generic (and AVX2) codes are laid out in: 64 where the group is 64k, else 32.
+static int64_t unit_of(int64_t group) { return group % 64 == 0 ? 64 : 32; }
+
 // One activation row, quantized per group: dx (G,) the group scales, xsum (G,) each group's float sum,
 // xq (K,) the int8 codes in the order the dot products read them. The generic loop reads `unit` (64 or 32)
 // inputs at a time, packed as bytes of (even, odd) input pairs: so within a unit the codes go evens, then odds.
@@ -61,16 +80,16 @@ static void quantize_row_generic(const float* x, int64_t K, int64_t group, int64
   }
 }
 
-// Any group size: one weight row, plain loops (units of `chunk` inputs); the integer sums are exact in any
+// Any group size: one weight row, plain loops (units of `unit` inputs); the integer sums are exact in any
 // order, so the compiler may vectorise them freely. sl (G, 2): each group's scale, low.
 static float row_dot_generic(const uint8_t* w, const float* sl, const int8_t* xq, const float* dx,
-                             const float* xsum, int64_t G, int64_t group, int64_t chunk) {
+                             const float* xsum, int64_t G, int64_t group, int64_t unit) {
   float y = 0.f;
   for (int64_t g = 0; g < G; ++g) {
     int32_t dot = 0;
-    for (int64_t c = g * group; c < (g + 1) * group; c += chunk)
-      for (int64_t j = 0; j < chunk / 2; ++j)
-        dot += (int32_t)(w[c / 2 + j] & 15) * xq[c + j] + (int32_t)(w[c / 2 + j] >> 4) * xq[c + chunk / 2 + j];
+    for (int64_t c = g * group; c < (g + 1) * group; c += unit)
+      for (int64_t j = 0; j < unit / 2; ++j)
+        dot += (int32_t)(w[c / 2 + j] & 15) * xq[c + j] + (int32_t)(w[c / 2 + j] >> 4) * xq[c + unit / 2 + j];
     y += sl[2 * g] * dx[g] * (float)dot + sl[2 * g + 1] * xsum[g];
   }
   return y;
@@ -84,14 +103,14 @@ struct Activations {
   std::vector<float> dx, xsum, dxv, xsl;
 };
 
-static Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t group, bool vnni) {
-  const int64_t G = K / group, chunk = group % 64 == 0 ? 64 : 32;
-  const bool vnni64 = vnni && group == 64;
+static Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t group, Loop loop) {
+  const int64_t G = K / group;
+  const bool vnni64 = loop == Loop::kVnni64;
   Activations a{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G),
                 std::vector<float>(vnni64 ? M * K / 8 : 0), std::vector<float>(vnni64 ? M * 2 * G : 0)};
   for (int64_t m = 0; m < M; ++m) {
 #ifdef INT4_GEMV_VNNI
-    if (vnni) {
+    if (vnni64 || loop == Loop::kVnni) {
       quantize_row_vnni(x + m * K, K, group, a.xq.data() + m * K, a.dx.data() + m * G, a.xsum.data() + m * G);
       for (int64_t g = 0; vnni64 && g < G; ++g) {
         for (int64_t i = 0; i < 8; ++i) a.dxv[m * K / 8 + g * 8 + i] = a.dx[m * G + g];
@@ -100,53 +119,52 @@ static Activations quantize_activations(const float* x, int64_t M, int64_t K, in
       continue;
     }
 #endif
-    quantize_row_generic(x + m * K, K, group, chunk, a.xq.data() + m * K, a.dx.data() + m * G,
+    quantize_row_generic(x + m * K, K, group, unit_of(group), a.xq.data() + m * K, a.dx.data() + m * G,
                          a.xsum.data() + m * G);
   }
   return a;
 }
 
 // The weight rows [begin, end) against every activation row into y (M, N): 4 rows at a time through the SIMD
-// loops at groups of 64 (VNNI) or 64k (AVX2): each load of the activations serves 4 rows, and a block of rows, a
-// few KB, is read from memory once for all M. The rest one row at a time.
+// loops that can (each load of the activations serves 4 rows, and a block of rows, a few KB, is read from memory
+// once for all M), the rest one row at a time.
 static void int4_rows(const Activations& a, const uint8_t* w, const float* sl, float* y, int64_t M, int64_t N,
-                      int64_t K, int64_t group, bool vnni, int64_t begin, int64_t end) {
-  const int64_t G = K / group, chunk = group % 64 == 0 ? 64 : 32;
+                      int64_t K, int64_t group, Loop loop, int64_t begin, int64_t end) {
+  const int64_t G = K / group;
   [[maybe_unused]] const auto in_blocks = [&](const auto& rows) {  // rows(n, R): rows [n, n + R), R = 4 then 1
     int64_t n = begin;
     for (; n + 4 <= end; n += 4) rows(n, std::integral_constant<int, 4>{});
     for (; n < end; ++n) rows(n, std::integral_constant<int, 1>{});
   };
+  switch (loop) {
 #ifdef INT4_GEMV_VNNI
-  if (vnni && group == 64)
-    return in_blocks([&](int64_t n, auto R) {
-      for (int64_t m = 0; m < M; ++m)
-        rows_dot_vnni64<R>(w + n * K / 2, sl + n * 2 * G, a.xq.data() + m * K, a.dxv.data() + m * K / 8,
-                           a.xsl.data() + m * 2 * G, K, y + m * N + n);
-    });
+    case Loop::kVnni64:
+      return in_blocks([&](int64_t n, auto R) {
+        for (int64_t m = 0; m < M; ++m)
+          rows_dot_vnni64<R>(w + n * K / 2, sl + n * 2 * G, a.xq.data() + m * K, a.dxv.data() + m * K / 8,
+                             a.xsl.data() + m * 2 * G, K, y + m * N + n);
+      });
+    case Loop::kVnni:
+      for (int64_t n = begin; n < end; ++n)
+        for (int64_t m = 0; m < M; ++m)
+          y[m * N + n] = row_dot_vnni(w + n * K / 2, sl + n * 2 * G, a.xq.data() + m * K, a.dx.data() + m * G,
+                                      a.xsum.data() + m * G, G, group);
+      return;
 #endif
 #ifdef INT4_GEMV_AVX2
-  if (!vnni && chunk == 64)  // groups of 64k: the generic loop's codes, 64 inputs per step
-    return in_blocks([&](int64_t n, auto R) {
-      for (int64_t m = 0; m < M; ++m)
-        rows_dot_avx2<R>(w + n * K / 2, sl + n * 2 * G, a.xq.data() + m * K, a.dx.data() + m * G,
-                         a.xsum.data() + m * G, G, group, y + m * N + n);
-    });
+    case Loop::kAvx2:
+      return in_blocks([&](int64_t n, auto R) {
+        for (int64_t m = 0; m < M; ++m)
+          rows_dot_avx2<R>(w + n * K / 2, sl + n * 2 * G, a.xq.data() + m * K, a.dx.data() + m * G,
+                           a.xsum.data() + m * G, G, group, y + m * N + n);
+      });
 #endif
-  for (int64_t n = begin; n < end; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      const int8_t* xm = a.xq.data() + m * K;
-      const float *dm = a.dx.data() + m * G, *sm = a.xsum.data() + m * G;
-      const uint8_t* wn = w + n * K / 2;
-      const float* sn = sl + n * 2 * G;
-#ifdef INT4_GEMV_VNNI
-      if (vnni) {  // groups of 128k
-        y[m * N + n] = row_dot_vnni(wn, sn, xm, dm, sm, G, group);
-        continue;
-      }
-#endif
-      y[m * N + n] = row_dot_generic(wn, sn, xm, dm, sm, G, group, chunk);
-    }
+    default:
+      for (int64_t n = begin; n < end; ++n)
+        for (int64_t m = 0; m < M; ++m)
+          y[m * N + n] = row_dot_generic(w + n * K / 2, sl + n * 2 * G, a.xq.data() + m * K, a.dx.data() + m * G,
+                                         a.xsum.data() + m * G, G, group, unit_of(group));
+  }
 }
 
 // x (M, K) float32, packed (N, K/2) uint8, scale_low (N, G, 2) float32 -> y (M, N) float32
@@ -159,13 +177,8 @@ at::Tensor int4_gemv(at::Tensor x, at::Tensor packed, at::Tensor scale_low, int6
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), G = K / group;
   TORCH_CHECK(packed.dim() == 2 && packed.size(1) == K / 2 && scale_low.numel() == N * G * 2,
               "mt_gemv::int4: packed (N, K/2), scale_low (N, K/group, 2)");
-#ifdef INT4_GEMV_VNNI
-  // the VNNI loop's step is 128 inputs: one group of 128k, or two of 64 (a group of 192 would straddle steps)
-  const bool vnni = (group == 64 || group % 128 == 0) && K % 128 == 0;
-#else
-  const bool vnni = false;
-#endif
-  const Activations a = quantize_activations(x.data_ptr<float>(), M, K, group, vnni);
+  const Loop loop = pick_loop(K, group);
+  const Activations a = quantize_activations(x.data_ptr<float>(), M, K, group, loop);
   auto y = at::empty({M, N}, x.options());
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* sl = scale_low.data_ptr<float>();
@@ -173,7 +186,7 @@ at::Tensor int4_gemv(at::Tensor x, at::Tensor packed, at::Tensor scale_low, int6
   // Weight rows (packed bytes and their scales) split over the threads (row_split.h); each output summed by one
   // thread in one order, so any thread count gives the same bits.
   parallel_rows(N, K / 2 + 2 * G * (int64_t)sizeof(float), [&](int64_t begin, int64_t end) {
-    int4_rows(a, w, sl, out, M, N, K, group, vnni, begin, end);
+    int4_rows(a, w, sl, out, M, N, K, group, loop, begin, end);
   });
   return y;
 }
