@@ -11,7 +11,7 @@ from support import on_threads
 from test_float_gemv import assert_within_rounding, inputs, int8_inputs
 from test_one_query_cpu import exact_one_query, one_query_setup
 from test_paged_cpu import decode_setup
-from test_quantize import reference_in_float64
+from test_quantize import assert_rows_same_alone_or_among_rows, reference_in_float64
 
 from mini_transformer import _native
 from mini_transformer.attention.paged import paged_decode_attention
@@ -123,13 +123,7 @@ def test_variant_int4_gemv_equals_float64(variant, threads, group_size, K, rows)
 def test_variant_int4_gemv_row_same_bits_alone_or_among_rows(variant, group_size, K):
     """The SIMD loops take weight rows 4 at a time and the last ones singly: each row's output is the same as
     that row's alone (a 1-row weight), whichever block it fell in; group 128 steps twice per group."""
-    torch.manual_seed(K)
-    layer = Int4Linear.from_linear(nn.Linear(K, 11, bias=False), group_size)
-    x = torch.randn(2, K)
-    together = variant.mt_gemv.int4(x, layer.weight, layer.gemv_scale_low, group_size)
-    for n in range(11):
-        alone = variant.mt_gemv.int4(x, layer.weight[n:n + 1], layer.gemv_scale_low[n:n + 1], group_size)
-        assert torch.equal(alone, together[:, n:n + 1])
+    assert_rows_same_alone_or_among_rows(variant.mt_gemv.int4, group_size, K)
 
 
 @pytest.mark.parametrize("context_lens, block_size, H, Hkv, D", [([1], 1, 4, 4, 8), ([7, 20, 3, 12], 4, 4, 2, 64),

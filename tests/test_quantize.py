@@ -163,20 +163,24 @@ def test_int4_gemv_kernel_same_bits_on_1_and_2_threads(group_size):
     assert torch.equal(on_threads(1, torch.ops.mt_gemv.int4, *args), on_threads(2, torch.ops.mt_gemv.int4, *args))
 
 
+def assert_rows_same_alone_or_among_rows(int4_op, group_size: int, K: int) -> None:
+    """11 weight rows through `int4_op` (a build's mt_gemv.int4): each row's output equals that row's alone (a
+    1-row weight), whichever block of the 4-row loops it fell in."""
+    torch.manual_seed(K)
+    layer = Int4Linear.from_linear(nn.Linear(K, 11, bias=False), group_size)
+    x = torch.randn(2, K)
+    together = int4_op(x, layer.weight, layer.gemv_scale_low, group_size)
+    for n in range(11):
+        alone = int4_op(x, layer.weight[n:n + 1], layer.gemv_scale_low[n:n + 1], group_size)
+        assert torch.equal(alone, together[:, n:n + 1])
+
+
 def test_int4_gemv_kernel_row_same_bits_alone_or_among_rows():
-    """The SIMD loop (VNNI, or AVX2 without it) takes weight rows 4 at a time and the last ones singly: each row's
-    output is the same as that row's alone (a 1-row weight), whichever block it fell in. K = 640: a row's 40 scales
-    and minimums are one full register of the minimums' FMA and a masked one."""
+    """The SIMD loop (VNNI, or AVX2 without it) takes weight rows 4 at a time and the last ones singly. K = 640:
+    a row's 40 scales and minimums are one full register of the minimums' FMA and a masked one."""
     if not kernel_available():
         pytest.skip("the int4 C++ kernel cannot be built here")
-    torch.manual_seed(0)
-    group_size = 64
-    layer = Int4Linear.from_linear(nn.Linear(640, 11, bias=False), group_size)
-    x = torch.randn(2, 640)
-    together = torch.ops.mt_gemv.int4(x, layer.weight, layer.gemv_scale_low, group_size)
-    for n in range(11):
-        alone = torch.ops.mt_gemv.int4(x, layer.weight[n:n + 1], layer.gemv_scale_low[n:n + 1], group_size)
-        assert torch.equal(alone, together[:, n:n + 1])
+    assert_rows_same_alone_or_among_rows(torch.ops.mt_gemv.int4, 64, 640)
 
 
 def test_int8_kernel_equals_dequantize_then_matmul():
